@@ -1,0 +1,48 @@
+"""``prime-r3``: inspect the overlay on the installed vLLM (and, later, benchmark it)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from prime_r3 import layer
+from prime_r3.config import ConfigError
+
+
+def _status(args: argparse.Namespace) -> int:
+    report = layer.status()
+    if args.json:
+        print(report.to_json())
+        return 0
+    print(f"prime_r3 on vllm {report.vllm_version}")
+    for o in report.outcomes:
+        state = {
+            layer.WOULD_APPLY: "would apply",
+            layer.APPLIED: "applied",
+            layer.SKIPPED: f"skipped: {o.reason}",
+            layer.DISABLED: f"disabled by env: {o.reason}",
+        }.get(o.state, o.state)
+        print(f"  {o.name:16} vllm{o.vllm_range:14} [{', '.join(o.processes)}]  {state}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prime-r3", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    status = sub.add_parser("status", help="each patch, its vLLM range and whether it applies")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.set_defaults(func=_status)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as error:
+        print(f"prime-r3: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

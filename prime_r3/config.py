@@ -1,0 +1,165 @@
+"""Environment toggles, parsed in one place.
+
+``PRIME_R3``          on/off for the whole overlay (default on).
+``PRIME_R3_PATCHES``  ``all`` (default), a comma list of names, ``-name`` to drop one.
+``PRIME_R3_<PATCH>_<PARAM>``  per-patch parameters declared in the registry.
+
+Anything malformed raises :class:`ConfigError` naming the variable, the bad value and
+the valid choices. The plugin lets it propagate, so vLLM refuses to start instead of
+running with a configuration the user did not mean.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prime_r3.spec import PatchSpec
+
+ENABLE_VAR = "PRIME_R3"
+PATCHES_VAR = "PRIME_R3_PATCHES"
+PREFIX = "PRIME_R3_"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class ConfigError(ValueError):
+    """A prime_r3 environment variable has a value we refuse to guess about."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    enabled: bool
+    #: Patch names the environment selects, in registry order.
+    selected: tuple[str, ...]
+    #: Names listed explicitly (not via ``all``): skipping one of these is an error.
+    requested: frozenset[str]
+    #: Parsed parameters per patch name.
+    params: Mapping[str, Mapping[str, Any]]
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def parse_int_tuple(count: int, minimum: int = 0):  # noqa: ANN201 - returns a parser
+    def parse(text: str) -> tuple[int, ...]:
+        parts = [p.strip() for p in text.split(",")]
+        if len(parts) != count:
+            raise ValueError(f"expected {count} comma-separated integers, got {len(parts)}")
+        values = []
+        for part in parts:
+            try:
+                value = int(part.replace("_", ""))
+            except ValueError:
+                raise ValueError(f"{part!r} is not an integer") from None
+            if value < minimum:
+                raise ValueError(f"{value} is below the minimum {minimum}")
+            values.append(value)
+        return tuple(values)
+
+    return parse
+
+
+def parse_float_at_least(minimum: float):  # noqa: ANN201 - returns a parser
+    def parse(text: str) -> float:
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise ValueError(f"{text!r} is not a number") from None
+        if not value >= minimum or value == float("inf"):
+            raise ValueError(f"{value} is not a finite number >= {minimum}")
+        return value
+
+    return parse
+
+
+def from_env(
+    registry: Sequence[PatchSpec], environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Read every prime_r3 variable; raise ConfigError on the first bad one."""
+    env = os.environ if environ is None else environ
+    names = [spec.name for spec in registry]
+
+    enabled = True
+    raw_enable = env.get(ENABLE_VAR)
+    if raw_enable is not None and raw_enable.strip() != "":
+        try:
+            enabled = parse_bool(raw_enable)
+        except ValueError:
+            raise ConfigError(
+                f"{ENABLE_VAR}={raw_enable!r} is not valid; use one of "
+                f"{', '.join(_TRUE + _FALSE)}"
+            ) from None
+
+    selected, requested = _parse_selection(env.get(PATCHES_VAR), names)
+    params = {spec.name: _parse_params(spec, env) for spec in registry}
+    _reject_unknown_vars(registry, env)
+    return Settings(enabled, selected, requested, params)
+
+
+def _parse_selection(raw: str | None, names: list[str]) -> tuple[tuple[str, ...], frozenset[str]]:
+    if raw is None or raw.strip() == "" or raw.strip().lower() == "all":
+        return tuple(names), frozenset()
+    tokens = [t.strip() for t in raw.split(",")]
+    if any(t == "" for t in tokens):
+        raise ConfigError(f"{PATCHES_VAR}={raw!r} has an empty item; valid names: {_choices(names)}")
+    positive = [t for t in tokens if not t.startswith("-")]
+    chosen: set[str] = set() if positive else set(names)
+    requested: set[str] = set()
+    for token in tokens:
+        drop = token.startswith("-")
+        name = token[1:].strip() if drop else token
+        if name.lower() == "all" and not drop:
+            chosen.update(names)
+            continue
+        if name not in names:
+            raise ConfigError(
+                f"{PATCHES_VAR}={raw!r}: unknown patch {name!r}; valid names: {_choices(names)}"
+            )
+        if drop:
+            chosen.discard(name)
+            requested.discard(name)
+        else:
+            chosen.add(name)
+            requested.add(name)
+    return tuple(n for n in names if n in chosen), frozenset(requested)
+
+
+def _parse_params(spec: PatchSpec, env: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for param in spec.params:
+        var = param.env_var(spec.name)
+        raw = env.get(var)
+        if raw is None or raw.strip() == "":
+            values[param.name] = param.default
+            continue
+        try:
+            values[param.name] = param.parse(raw)
+        except ValueError as error:
+            raise ConfigError(f"{var}={raw!r} is not valid: {error}; expected {param.expects}") from None
+    return values
+
+
+def _reject_unknown_vars(registry: Sequence[PatchSpec], env: Mapping[str, str]) -> None:
+    known = {ENABLE_VAR, PATCHES_VAR} | {
+        param.env_var(spec.name) for spec in registry for param in spec.params
+    }
+    for var in sorted(env):
+        if var.startswith(PREFIX) and var not in known and not var.startswith("PRIME_R3_BENCH"):
+            raise ConfigError(
+                f"{var} is not a prime_r3 setting (a typo would silently change nothing); "
+                f"known variables: {', '.join(sorted(known))}"
+            )
+
+
+def _choices(names: list[str]) -> str:
+    return ", ".join(["all", *names]) + " (prefix a name with '-' to drop it)"

@@ -1,0 +1,261 @@
+"""Apply, revert and inspect the overlay: the only code that writes to vLLM's modules.
+
+Every target is replaced by a ``wrapt.FunctionWrapper`` around the original, so
+``__wrapped__`` always holds the upstream object. A patch with several targets is
+applied all-or-nothing: if any step fails, the targets already replaced are restored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import wrapt
+
+from prime_r3 import config, guards, state
+from prime_r3.spec import PatchSpec
+
+logger = logging.getLogger("vllm.prime_r3")
+
+APPLIED = "applied"
+ALREADY = "already_applied"
+WOULD_APPLY = "would_apply"
+SKIPPED = "skipped"
+DISABLED = "disabled"
+REVERTED = "reverted"
+NOT_ACTIVE = "not_active"
+KEPT = "kept"
+
+
+class PatchNotApplied(RuntimeError):
+    """A patch the user asked for by name could not be applied."""
+
+    def __init__(self, report: Report, names: Sequence[str]) -> None:
+        self.report = report
+        reasons = "; ".join(f"{o.name}: {o.reason}" for o in report.outcomes if o.name in names)
+        super().__init__(f"prime_r3 could not apply requested patch(es): {reasons}")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    name: str
+    state: str
+    reason: str = ""
+    vllm_range: str = ""
+    processes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Report:
+    vllm_version: str | None
+    outcomes: tuple[Outcome, ...] = field(default_factory=tuple)
+
+    def names(self, *states: str) -> list[str]:
+        return [o.name for o in self.outcomes if o.state in states]
+
+    @property
+    def applied(self) -> list[str]:
+        return self.names(APPLIED, ALREADY)
+
+    @property
+    def skipped(self) -> list[str]:
+        return self.names(SKIPPED)
+
+    def outcome(self, name: str) -> Outcome:
+        for o in self.outcomes:
+            if o.name == name:
+                return o
+        raise KeyError(name)
+
+    def summary(self) -> str:
+        active = ", ".join(self.names(APPLIED, ALREADY, WOULD_APPLY)) or "none"
+        parts = [f"prime_r3 on vllm {self.vllm_version} (pid {os.getpid()}): active: {active}"]
+        skipped = [f"{o.name} ({o.reason})" for o in self.outcomes if o.state == SKIPPED]
+        if skipped:
+            parts.append("skipped: " + "; ".join(skipped))
+        disabled = self.names(DISABLED)
+        if disabled:
+            parts.append("disabled: " + ", ".join(disabled))
+        return " | ".join(parts)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def registry() -> tuple[PatchSpec, ...]:
+    from prime_r3.patches import REGISTRY
+
+    return REGISTRY
+
+
+def apply(
+    names: Iterable[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    log: bool = True,
+) -> Report:
+    """Apply the selected patches; idempotent. Raises ConfigError / PatchNotApplied.
+
+    ``names`` overrides ``PRIME_R3_PATCHES``; a named patch that cannot be applied
+    raises (after every other patch was handled), a default one is skipped and logged.
+    """
+    specs = registry()
+    settings = config.from_env(specs, environ)
+    requested: frozenset[str] = settings.requested
+    selected: Sequence[str] = settings.selected
+    if names is not None:
+        requested = frozenset(_known(names, specs))
+        selected = [s.name for s in specs if s.name in requested]
+    version = guards.installed_vllm_version()
+    outcomes = []
+    with state.lock():
+        for spec in specs:
+            if not settings.enabled:
+                outcomes.append(_outcome(spec, DISABLED, f"{config.ENABLE_VAR}=0"))
+            elif spec.name not in selected:
+                outcomes.append(_outcome(spec, DISABLED, f"not selected by {config.PATCHES_VAR}"))
+            elif state.active_wrappers(spec.name) is not None:
+                outcomes.append(_outcome(spec, ALREADY))
+            else:
+                reason = _check(spec, version) or _install(spec, settings.params[spec.name])
+                outcomes.append(_outcome(spec, SKIPPED, reason) if reason else _outcome(spec, APPLIED))
+    report = Report(version, tuple(outcomes))
+    if log:
+        logger.info(report.summary())
+    failed = [o.name for o in outcomes if o.name in requested and o.state == SKIPPED]
+    if failed:
+        raise PatchNotApplied(report, failed)
+    return report
+
+
+def revert(names: Iterable[str] | None = None) -> Report:
+    """Remove prime_r3's wrappers, restoring the exact original objects.
+
+    A target that another layer has since wrapped again is left in place (removing
+    it would drop that layer too); its patch stays active and is reported as kept.
+    """
+    specs = registry()
+    wanted = set(_known(names, specs)) if names is not None else {s.name for s in specs}
+    outcomes = []
+    with state.lock():
+        for spec in reversed(specs):
+            if spec.name not in wanted:
+                continue
+            wrappers = state.active_wrappers(spec.name)
+            if wrappers is None:
+                outcomes.append(_outcome(spec, NOT_ACTIVE))
+                continue
+            reason = _uninstall(spec, wrappers)
+            outcomes.append(_outcome(spec, KEPT, reason) if reason else _outcome(spec, REVERTED))
+    return Report(guards.installed_vllm_version(), tuple(reversed(outcomes)))
+
+
+def status(environ: Mapping[str, str] | None = None) -> Report:
+    """What apply() would do in this process now, without changing anything."""
+    specs = registry()
+    settings = config.from_env(specs, environ)
+    version = guards.installed_vllm_version()
+    outcomes = []
+    for spec in specs:
+        if state.active_wrappers(spec.name) is not None:
+            outcomes.append(_outcome(spec, APPLIED))
+        elif not settings.enabled:
+            outcomes.append(_outcome(spec, DISABLED, f"{config.ENABLE_VAR}=0"))
+        elif spec.name not in settings.selected:
+            outcomes.append(_outcome(spec, DISABLED, f"not selected by {config.PATCHES_VAR}"))
+        else:
+            reason = _check(spec, version)
+            outcomes.append(_outcome(spec, SKIPPED, reason) if reason else _outcome(spec, WOULD_APPLY))
+    return Report(version, tuple(outcomes))
+
+
+def is_object_patched(obj: Any) -> bool:
+    return state.is_object_patched(obj)
+
+
+def get_original(module: str, attr: str) -> Any:
+    return state.get_original(module, attr)
+
+
+# -- internals -------------------------------------------------------------------
+
+
+def _known(names: Iterable[str], specs: Sequence[PatchSpec]) -> list[str]:
+    valid = [s.name for s in specs]
+    result = []
+    for name in names:
+        if name not in valid:
+            raise config.ConfigError(f"unknown patch {name!r}; valid names: {', '.join(valid)}")
+        result.append(name)
+    return result
+
+
+def _outcome(spec: PatchSpec, status_: str, reason: str = "") -> Outcome:
+    return Outcome(
+        spec.name,
+        status_,
+        reason,
+        spec.vllm_range,
+        tuple(sorted(p.value for p in spec.processes)),
+    )
+
+
+def _check(spec: PatchSpec, version: str | None) -> str | None:
+    reason = guards.check_version(spec, version)
+    if reason:
+        return reason
+    for item in (*spec.targets, *spec.anchors):
+        resolved = guards.resolve(item)
+        if isinstance(resolved, str):
+            return resolved
+        reason = guards.check_source(item, resolved)
+        if reason:
+            return reason
+    return None
+
+
+def _install(spec: PatchSpec, params: Mapping[str, Any]) -> str | None:
+    """Replace every target or none; return a reason on failure."""
+    done: list[tuple[Any, str, Any]] = []
+    wrappers: dict[str, Any] = {}
+    try:
+        for target in spec.targets:
+            resolved = guards.resolve(target)
+            if isinstance(resolved, str):
+                raise LookupError(resolved)
+            original = resolved.raw
+            wrapper = wrapt.FunctionWrapper(original, target.make_wrapper(params))
+            setattr(resolved.owner, resolved.name, wrapper)
+            done.append((resolved.owner, resolved.name, original))
+            state.save_original(target.key, original)
+            wrappers[target.key] = wrapper
+        if spec.on_apply is not None:
+            spec.on_apply(params)
+    except Exception as error:  # noqa: BLE001 - roll back whatever happened
+        for owner, name, original in reversed(done):
+            setattr(owner, name, original)
+        logger.warning("prime_r3: %s rolled back: %s", spec.name, error)
+        return f"apply failed and was rolled back: {type(error).__name__}: {error}"
+    state.mark_active(spec.name, wrappers)
+    return None
+
+
+def _uninstall(spec: PatchSpec, wrappers: Mapping[str, Any]) -> str | None:
+    by_key = {t.key: t for t in spec.targets}
+    located = []
+    for key, wrapper in wrappers.items():
+        resolved = guards.resolve(by_key[key])
+        current = None if isinstance(resolved, str) else resolved.raw
+        if current is not wrapper:
+            return f"{key} was re-wrapped by another layer; prime_r3's layer left in place"
+        located.append((resolved, key))
+    for resolved, key in located:
+        setattr(resolved.owner, resolved.name, state.get_original(*key.split(":", 1)))
+    if spec.on_revert is not None:
+        spec.on_revert()
+    state.mark_inactive(spec.name)
+    return None

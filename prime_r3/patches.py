@@ -1,0 +1,19 @@
+"""The registry: the one place that lists every prime_r3 patch, in apply order.
+
+Each entry is a ``PatchSpec`` declared by its module under ``prime_r3.fixes``.
+``tests/test_registry.py`` fails if a fix module declares a patch that is not here.
+"""
+
+from __future__ import annotations
+
+from prime_r3.fixes import engine_gc
+from prime_r3.spec import PatchSpec
+
+REGISTRY: tuple[PatchSpec, ...] = (engine_gc.SPEC,)
+
+
+def get(name: str) -> PatchSpec:
+    for spec in REGISTRY:
+        if spec.name == name:
+            return spec
+    raise KeyError(f"no patch named {name!r}; known: {', '.join(s.name for s in REGISTRY)}")

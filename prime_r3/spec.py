@@ -1,0 +1,104 @@
+"""The shape of one registry record.
+
+A patch is data first: what it targets, which vLLM it was verified on, the
+fingerprint of each target's upstream source, and how to build its wrappers.
+The machinery in ``prime_r3.layer`` reads these records; patch modules under
+``prime_r3.fixes`` only declare them, so the guard and revert logic exists once.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: A wrapt wrapper: ``wrapper(wrapped, instance, args, kwargs) -> result``.
+WrapperFn = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
+#: Builds a target's wrapper from the patch's parsed parameters.
+WrapperFactory = Callable[[Mapping[str, Any]], WrapperFn]
+
+
+class Process(enum.Enum):
+    """The vLLM processes a patch matters in (vLLM loads plugins in all of them)."""
+
+    API_SERVER = "api_server"
+    ENGINE_CORE = "engine_core"
+    WORKER = "worker"
+
+
+@dataclass(frozen=True)
+class Param:
+    """One per-patch setting, read from ``PRIME_R3_<PATCH>_<NAME>``."""
+
+    name: str
+    default: Any
+    parse: Callable[[str], Any]
+    help: str
+    #: Human-readable description of accepted values, used in error messages.
+    expects: str
+
+    def env_var(self, patch_name: str) -> str:
+        return f"PRIME_R3_{patch_name.upper()}_{self.name.upper()}"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One attribute a patch replaces with a wrapt wrapper of the original.
+
+    ``module`` and ``attr`` say where the name is *looked up* (for a function
+    imported with ``from x import y`` that is the importing module). The
+    fingerprint is taken from the object's own source, wherever it is defined.
+    """
+
+    module: str
+    attr: str
+    #: sha256 prefixes of the upstream source this patch was verified against.
+    fingerprints: frozenset[str]
+    make_wrapper: WrapperFactory
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}:{self.attr}"
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """Upstream code a patch relies on without replacing it (e.g. a caller).
+
+    Checked like a target: a changed anchor skips the patch.
+    """
+
+    module: str
+    attr: str
+    fingerprints: frozenset[str]
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}:{self.attr}"
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    """One registry record: everything needed to guard, apply and revert a patch."""
+
+    name: str
+    summary: str
+    targets: tuple[Target, ...]
+    #: PEP 440 specifier of the vLLM releases this patch is verified for.
+    vllm_range: str
+    processes: frozenset[Process]
+    anchors: tuple[Anchor, ...] = ()
+    params: tuple[Param, ...] = ()
+    #: Release that carries the fix upstream; versions >= it skip with that reason.
+    fixed_upstream_in: str | None = None
+    #: Called after all targets are in place / after they are removed.
+    on_apply: Callable[[Mapping[str, Any]], None] | None = None
+    on_revert: Callable[[], None] | None = None
+    notes: str = field(default="")
+
+    def param(self, name: str) -> Param:
+        for param in self.params:
+            if param.name == name:
+                return param
+        raise KeyError(f"patch {self.name!r} has no parameter {name!r}")

@@ -82,9 +82,7 @@ def parse_float_at_least(minimum: float):  # noqa: ANN201 - returns a parser
     return parse
 
 
-def from_env(
-    registry: Sequence[PatchSpec], environ: Mapping[str, str] | None = None
-) -> Settings:
+def from_env(registry: Sequence[PatchSpec], environ: Mapping[str, str] | None = None) -> Settings:
     """Read every prime_r3 variable; raise ConfigError on the first bad one."""
     env = os.environ if environ is None else environ
     names = [spec.name for spec in registry]
@@ -96,8 +94,7 @@ def from_env(
             enabled = parse_bool(raw_enable)
         except ValueError:
             raise ConfigError(
-                f"{ENABLE_VAR}={raw_enable!r} is not valid; use one of "
-                f"{', '.join(_TRUE + _FALSE)}"
+                f"{ENABLE_VAR}={raw_enable!r} is not valid; use one of {', '.join(_TRUE + _FALSE)}"
             ) from None
 
     selected, requested = _parse_selection(env.get(PATCHES_VAR), names)
@@ -111,7 +108,9 @@ def _parse_selection(raw: str | None, names: list[str]) -> tuple[tuple[str, ...]
         return tuple(names), frozenset()
     tokens = [t.strip() for t in raw.split(",")]
     if any(t == "" for t in tokens):
-        raise ConfigError(f"{PATCHES_VAR}={raw!r} has an empty item; valid names: {_choices(names)}")
+        raise ConfigError(
+            f"{PATCHES_VAR}={raw!r} has an empty item; valid names: {_choices(names)}"
+        )
     positive = [t for t in tokens if not t.startswith("-")]
     chosen: set[str] = set() if positive else set(names)
     requested: set[str] = set()
@@ -145,7 +144,9 @@ def _parse_params(spec: PatchSpec, env: Mapping[str, str]) -> dict[str, Any]:
         try:
             values[param.name] = param.parse(raw)
         except ValueError as error:
-            raise ConfigError(f"{var}={raw!r} is not valid: {error}; expected {param.expects}") from None
+            raise ConfigError(
+                f"{var}={raw!r} is not valid: {error}; expected {param.expects}"
+            ) from None
     return values
 
 

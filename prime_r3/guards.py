@@ -38,10 +38,7 @@ def check_version(spec: PatchSpec, version: str | None) -> str | None:
     except InvalidVersion:
         return f"vllm version {version!r} cannot be parsed"
     if spec.fixed_upstream_in is not None and release >= Version(spec.fixed_upstream_in):
-        return (
-            f"vllm {version} has this fix upstream "
-            f"(fixed upstream in {spec.fixed_upstream_in})"
-        )
+        return f"vllm {version} has this fix upstream (fixed upstream in {spec.fixed_upstream_in})"
     if not SpecifierSet(spec.vllm_range).contains(release, prereleases=True):
         return f"vllm {version} is outside the verified range {spec.vllm_range}"
     return None

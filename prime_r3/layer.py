@@ -122,7 +122,9 @@ def apply(
                 outcomes.append(_outcome(spec, ALREADY))
             else:
                 reason = _check(spec, version) or _install(spec, settings.params[spec.name])
-                outcomes.append(_outcome(spec, SKIPPED, reason) if reason else _outcome(spec, APPLIED))
+                outcomes.append(
+                    _outcome(spec, SKIPPED, reason) if reason else _outcome(spec, APPLIED)
+                )
     report = Report(version, tuple(outcomes))
     if log:
         logger.info(report.summary())
@@ -169,7 +171,9 @@ def status(environ: Mapping[str, str] | None = None) -> Report:
             outcomes.append(_outcome(spec, DISABLED, f"not selected by {config.PATCHES_VAR}"))
         else:
             reason = _check(spec, version)
-            outcomes.append(_outcome(spec, SKIPPED, reason) if reason else _outcome(spec, WOULD_APPLY))
+            outcomes.append(
+                _outcome(spec, SKIPPED, reason) if reason else _outcome(spec, WOULD_APPLY)
+            )
     return Report(version, tuple(outcomes))
 
 

@@ -39,8 +39,12 @@ def main(argv: list[str] | None = None) -> int:
             module, qualname = _defined_in(item.module, item.attr)
             found = []
             if not args.root:
-                found.append(("installed", fingerprint.of_source(
-                    fingerprint.module_source(module), qualname)))
+                found.append(
+                    (
+                        "installed",
+                        fingerprint.of_source(fingerprint.module_source(module), qualname),
+                    )
+                )
             for root in args.root:
                 path = pathlib.Path(root, *module.split(".")).with_suffix(".py")
                 try:

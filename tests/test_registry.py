@@ -1,0 +1,48 @@
+"""The registry and the fix modules agree, and every record is complete and verified."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import prime_r3.fixes
+from prime_r3 import fingerprint, guards
+from prime_r3.patches import REGISTRY
+from prime_r3.spec import PatchSpec
+
+
+def _declared_specs() -> list[PatchSpec]:
+    specs = []
+    for info in pkgutil.iter_modules(prime_r3.fixes.__path__):
+        module = importlib.import_module(f"prime_r3.fixes.{info.name}")
+        specs.extend(v for v in vars(module).values() if isinstance(v, PatchSpec))
+    return specs
+
+
+def test_every_declared_patch_is_registered_once() -> None:
+    declared = _declared_specs()
+    assert declared, "no fix modules found"
+    assert {id(s) for s in declared} == {id(s) for s in REGISTRY}
+    names = [s.name for s in REGISTRY]
+    assert len(names) == len(set(names))
+
+
+def test_records_are_complete() -> None:
+    for spec in REGISTRY:
+        assert spec.name.isidentifier() and spec.summary and spec.targets, spec.name
+        assert spec.processes and spec.vllm_range, spec.name
+        for item in (*spec.targets, *spec.anchors):
+            assert item.fingerprints, f"{spec.name}: {item.key} has no verified fingerprint"
+        env_vars = [p.env_var(spec.name) for p in spec.params]
+        assert len(env_vars) == len(set(env_vars))
+
+
+def test_installed_vllm_matches_a_verified_fingerprint_for_every_target() -> None:
+    """On the pinned vLLM every target must verify; a mismatch means re-verify the patch."""
+    assert guards.installed_vllm_version() == "0.32.0"
+    for spec in REGISTRY:
+        for item in (*spec.targets, *spec.anchors):
+            resolved = guards.resolve(item)
+            assert not isinstance(resolved, str), resolved
+            found = fingerprint.of_object(resolved.function)
+            assert found in item.fingerprints, f"{spec.name}: {item.key} is {found}"

@@ -121,3 +121,36 @@ def test_api_server_keeps_defaults_unless_asked(gc_probe) -> None:  # noqa: ANN0
     prime_r3.apply(["engine_gc"])
     server_utils.freeze_gc_heap()
     assert gc.get_threshold() == (50_000, 20, 100)
+
+
+def test_changed_upstream_source_skips_engine_gc_and_leaves_it_untouched(reverted) -> None:  # noqa: ANN001
+    import vllm.utils.gc_utils as gc_utils
+    import vllm.v1.engine.core as core
+
+    from prime_r3 import fingerprint
+
+    real = fingerprint.module_source
+
+    def upstream_changed(module_name: str) -> str:
+        text = real(module_name)
+        if module_name == "vllm.utils.gc_utils":
+            text = text.replace("gc.collect(2)\n", "gc.collect(2)\n    gc.collect(2)\n", 1)
+        return text
+
+    reverted.setattr(fingerprint, "module_source", upstream_changed)
+    outcome = prime_r3.apply().outcome("engine_gc")
+    assert outcome.state == "skipped"
+    assert outcome.reason.startswith("target source changed: vllm.v1.engine.core:freeze_gc_heap")
+    assert core.freeze_gc_heap is gc_utils.freeze_gc_heap
+
+
+def test_vllm_outside_range_skips_engine_gc(reverted) -> None:  # noqa: ANN001
+    import vllm.v1.engine.core as core
+
+    from prime_r3 import guards
+
+    reverted.setattr(guards, "installed_vllm_version", lambda: "0.34.0")
+    outcome = prime_r3.apply().outcome("engine_gc")
+    assert outcome.state == "skipped"
+    assert outcome.reason == "vllm 0.34.0 is outside the verified range >=0.31,<0.34"
+    assert not prime_r3.is_object_patched(core.freeze_gc_heap)

@@ -6,10 +6,22 @@ Each entry is a ``PatchSpec`` declared by its module under ``prime_r3.fixes``.
 
 from __future__ import annotations
 
-from prime_r3.fixes import engine_gc
+from prime_r3.fixes import (
+    engine_gc,
+    packed_outputs,
+    store_eviction,
+    store_growth,
+    store_headroom,
+)
 from prime_r3.spec import PatchSpec
 
-REGISTRY: tuple[PatchSpec, ...] = (engine_gc.SPEC,)
+REGISTRY: tuple[PatchSpec, ...] = (
+    engine_gc.SPEC,
+    packed_outputs.SPEC,
+    store_eviction.SPEC,
+    store_headroom.SPEC,
+    store_growth.SPEC,
+)
 
 
 def get(name: str) -> PatchSpec:

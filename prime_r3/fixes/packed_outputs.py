@@ -1,0 +1,83 @@
+"""packed_outputs: the output worker sends one ``PackedAuxOutputs`` per step, not a dict.
+
+vLLM (0.31-0.33) returns ``dict[request_id, AuxRequestOutput]`` from
+``AuxOutputWorkerConnector.process_output``; async_utils stores it in
+``ModelRunnerOutput.aux_output_connector_output`` and the MessageQueue pickles one
+array per running request, which EngineCore then rebuilds one object at a time.
+We wrap ``process_output`` and pack its dict into one rows array (see
+``prime_r3.packed``). Every consumer keeps working unchanged:
+
+* ``AuxOutputSchedulerConnector.take_output`` (EngineCore) uses ``in`` and ``[]`` and
+  reads ``token_start`` / ``rows``: the packed mapping returns real, cached
+  ``AuxRequestOutput`` values. It is an anchor: if it changes, the patch skips.
+* Ray's ``detach_zero_copy_from_model_runner_output`` (0.31, 0.32) iterates
+  ``values()`` and reassigns ``rows``: values are cached, so the assignment sticks,
+  and unpickled rows are already writable and private, so it copies nothing.
+* Uniproc executor: nothing is pickled; the packed rows are a fresh copy per step,
+  so nothing handed downstream aliases the worker's step snapshot or reused buffers.
+
+A step whose outputs cannot share one array (never seen: every row of a step comes
+from the same capture buffer) is passed on as upstream's dict.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from prime_r3.spec import Anchor, PatchSpec, Process, Target, WrapperFn
+
+logger = logging.getLogger("vllm.prime_r3")
+
+_WORKER = "vllm.distributed.aux_output_connector.worker"
+_CONNECTOR = "vllm.distributed.aux_output_connector.connector"
+
+
+def _pack_step_output(params: Mapping[str, Any]) -> WrapperFn:
+    from prime_r3.packed import PackedAuxOutputs  # imports vLLM: only when applying
+
+    warned = False
+
+    def pack_step_output(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
+        nonlocal warned
+        outputs = wrapped(*args, **kwargs)
+        if type(outputs) is not dict:
+            return outputs
+        try:
+            return PackedAuxOutputs.pack(outputs)
+        except (TypeError, ValueError) as error:
+            if not warned:
+                warned = True
+                logger.warning("prime_r3 packed_outputs: sending a step unpacked: %s", error)
+            return outputs
+
+    return pack_step_output
+
+
+# Verified source fingerprints (scripts/fingerprint.py) for vLLM 0.31.0, 0.32.0, 0.33.0.
+_PROCESS_OUTPUT = frozenset({"06ee5fa311ada6e3"})
+_COMMIT_OUTPUT = frozenset({"29bd5bec6708d002"})
+_TAKE_OUTPUT = frozenset({"08dfe701debdb1e5"})
+_AUX_REQUEST_OUTPUT = frozenset({"c86fdd3be04a8c32"})
+
+SPEC = PatchSpec(
+    name="packed_outputs",
+    summary="output worker sends one packed rows array per step instead of a dict per request",
+    vllm_range=">=0.31,<0.34",
+    processes=frozenset({Process.WORKER}),
+    targets=(
+        Target(
+            _WORKER, "AuxOutputWorkerConnector.process_output", _PROCESS_OUTPUT, _pack_step_output
+        ),
+    ),
+    anchors=(
+        # The producer: one dtype and per-token shape per step; rows are views of the
+        # step's fresh snapshot, buffer.read copies or the store's bytes (read-only).
+        Anchor(_WORKER, "AuxOutputWorkerConnector._commit_output", _COMMIT_OUTPUT),
+        # The EngineCore consumer: only `in`, `[]`, `.token_start` and `.rows`.
+        Anchor(_CONNECTOR, "AuxOutputSchedulerConnector.take_output", _TAKE_OUTPUT),
+        # We build these positionally as (token_start, rows).
+        Anchor(_CONNECTOR, "AuxRequestOutput", _AUX_REQUEST_OUTPUT),
+    ),
+)

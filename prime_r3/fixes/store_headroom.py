@@ -1,0 +1,154 @@
+"""store_headroom: build the output worker's aux-output store at 2x vLLM's KV-derived size.
+
+vLLM 0.31-0.32 size the routed-experts ``BlockObjectStore`` to exactly the KV cache
+(``num_blocks * hashes per block * bytes per block``). At 100% KV the rows referenced
+by running requests plus the batch being published can exceed that, and ``put``
+raises on the writer thread (the engine dies); below that, a store with no slack is
+always full, so every put evicts. We multiply the derived size by a factor
+(``PRIME_R3_STORE_HEADROOM_FACTOR``, default 2). The arena is an anonymous mmap, so
+only slots that are written cost RSS: the headroom is address space until used.
+
+If the user set ``aux_output_config.max_bytes`` we keep their value unchanged (an
+explicit size is a decision, often a memory budget) and log that no headroom was
+added; ``store_growth`` still keeps such a store from failing.
+
+Where: ``AuxOutputWorkerConnector.__init__`` is wrapped to open a context (a
+ContextVar, so per thread and never stored on vLLM's modules), and
+``BlockObjectStore.__init__`` applies the factor only inside that context. Anyone
+else constructing a ``BlockObjectStore`` gets upstream's behaviour.
+
+vLLM 0.33 still sizes the store at 1x KV (worker.py is unchanged) but no longer needs
+slack: it grows on demand and the scheduler retains KV-cached blocks. We have not
+verified headroom on 0.33, so the range stops at 0.32.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prime_r3.config import parse_float_at_least
+from prime_r3.spec import Param, PatchSpec, Process, Target, WrapperFn
+
+logger = logging.getLogger("vllm.prime_r3")
+
+STORE_MODULE = "vllm.distributed.aux_output_connector.store"
+WORKER_MODULE = "vllm.distributed.aux_output_connector.worker"
+
+DEFAULT_FACTOR = 2.0
+
+# Verified source fingerprints (scripts/fingerprint.py); store.py and worker.py are
+# byte-identical in vLLM 0.31.0 and 0.32.0.
+CONNECTOR_INIT = frozenset({"2c471ba2e608bd4c"})
+STORE_INIT = frozenset({"1b818a0cd8d9cf4d"})
+
+
+@dataclass
+class _Sizing:
+    """What the connector being built asked for; used by its one store."""
+
+    factor: float
+    explicit_max_bytes: int | None
+    used: bool = False
+
+
+_sizing: contextvars.ContextVar[_Sizing | None] = contextvars.ContextVar(
+    "prime_r3_store_headroom", default=None
+)
+
+
+def headroom_slots(base_slots: int, factor: float) -> int:
+    """Slots for a store vLLM would size at ``base_slots`` (never fewer)."""
+    return max(base_slots, math.floor(base_slots * factor))
+
+
+def _connector_init(params: Mapping[str, Any]) -> WrapperFn:
+    factor = params["factor"]
+
+    def init_with_headroom(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
+        vllm_config = kwargs.get("vllm_config")
+        aux_config = getattr(vllm_config, "aux_output_config", None)
+        if aux_config is None:
+            return wrapped(*args, **kwargs)
+        token = _sizing.set(_Sizing(factor, aux_config.max_bytes))
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            _sizing.reset(token)
+
+    return init_with_headroom
+
+
+def _store_init(params: Mapping[str, Any]) -> WrapperFn:
+    def init_store(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
+        sizing = _sizing.get()
+        max_bytes = kwargs.get("max_bytes")
+        object_nbytes = kwargs.get("object_nbytes")
+        if (
+            sizing is None
+            or sizing.used
+            or args
+            or not isinstance(max_bytes, int)
+            or not isinstance(object_nbytes, int)
+            or object_nbytes <= 0
+            or max_bytes < object_nbytes
+        ):
+            return wrapped(*args, **kwargs)  # not the connector's store, or upstream rejects it
+        sizing.used = True
+        base_slots = max_bytes // object_nbytes
+        if sizing.explicit_max_bytes is not None:
+            wrapped(*args, **kwargs)
+            logger.info(
+                "prime_r3 store_headroom: aux_output_config.max_bytes=%d is set explicitly; "
+                "keeping it: %d objects of %d bytes (%d bytes), no headroom added",
+                sizing.explicit_max_bytes,
+                instance.num_slots,
+                object_nbytes,
+                instance.num_slots * object_nbytes,
+            )
+            return None
+        slots = headroom_slots(base_slots, sizing.factor)
+        wrapped(max_bytes=slots * object_nbytes, object_nbytes=object_nbytes)
+        logger.info(
+            "prime_r3 store_headroom: aux-output store holds %d objects of %d bytes "
+            "(%d bytes, %gx the %d objects vLLM derives from the KV cache); the arena is "
+            "an anonymous mmap, only used slots cost RSS",
+            instance.num_slots,
+            object_nbytes,
+            instance.num_slots * object_nbytes,
+            sizing.factor,
+            base_slots,
+        )
+        return None
+
+    return init_store
+
+
+SPEC = PatchSpec(
+    name="store_headroom",
+    summary="aux-output store on the output worker sized at 2x vLLM's KV-derived capacity",
+    vllm_range=">=0.31,<0.33",
+    processes=frozenset({Process.WORKER}),
+    targets=(
+        Target(WORKER_MODULE, "AuxOutputWorkerConnector.__init__", CONNECTOR_INIT, _connector_init),
+        Target(STORE_MODULE, "BlockObjectStore.__init__", STORE_INIT, _store_init),
+    ),
+    params=(
+        Param(
+            "factor",
+            DEFAULT_FACTOR,
+            parse_float_at_least(1.0),
+            "multiplier on the store size vLLM derives from the KV cache "
+            "(ignored when aux_output_config.max_bytes is set)",
+            "a finite number >= 1.0, e.g. 2 or 1.5",
+        ),
+    ),
+    notes=(
+        "An explicit aux_output_config.max_bytes is kept as is. vLLM 0.33 keeps 1x sizing "
+        "but grows on demand, so this is not applied (nor verified) there."
+    ),
+)

@@ -1,0 +1,294 @@
+"""Per-step cost of the routed-experts step output: upstream dict vs PackedAuxOutputs.
+
+    .venv/bin/python scripts/bench_packing.py [--steps N] [--requests 400,1000,2000]
+
+Each step is what ``AuxOutputWorkerConnector._commit_output`` returns: one
+``AuxRequestOutput`` per request whose rows are views of the step's snapshot
+(46 MoE layers x top-8, uint8). Two mixes: ``decode`` (one row per request) and
+``prefill`` (an 8192-token step: a quarter of the requests carry prefill chunks).
+
+transport  = pack (packed arm only, worker main thread) + pickle + unpickle, using
+             MessageQueue's pickler (protocol 5, out-of-band buffers >= 1 MiB,
+             received into bytearrays as ``dequeue`` does)
+full path  = transport + one real ``AuxOutputSchedulerConnector.take_output`` per
+             request, as the scheduler calls it
+mq x-proc  = the real vLLM ``MessageQueue``: enqueue in this process, dequeue (and
+             take_output) in a forked reader process, one step at a time
+
+Times are medians over steps, in ms; the cyclic GC is paused inside timed regions
+(collections are a separate, GC-threshold matter). Ratios are dict / packed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copyreg
+import gc
+import io
+import multiprocessing as mp
+import os
+import pickle
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from vllm.distributed.aux_output_connector.connector import (  # noqa: E402
+    AuxOutputSchedulerConnector,
+    AuxRequestOutput,
+)
+from vllm.distributed.device_communicators import shm_broadcast  # noqa: E402
+from vllm.distributed.device_communicators.shm_broadcast import MessageQueue  # noqa: E402
+
+from prime_r3.packed import PackedAuxOutputs  # noqa: E402
+
+SHAPE = (46, 8)
+PREFILL_BUDGET = 8192
+INLINE_LIMIT = 1024 * 1024  # MessageQueue.enqueue inlines buffers below 1 MiB
+
+
+class FakeRequest:
+    """The three things take_output reads from a vllm Request."""
+
+    __slots__ = ("request_id", "num_tokens")
+
+    def __init__(self, request_id: str, num_tokens: int) -> None:
+        self.request_id = request_id
+        self.num_tokens = num_tokens
+
+    def is_finished(self) -> bool:
+        return False
+
+
+def make_step(
+    n: int, mix: str, rng: np.random.Generator
+) -> tuple[dict[str, AuxRequestOutput], list[FakeRequest]]:
+    lengths = np.ones(n, dtype=np.int64)
+    if mix == "prefill":
+        chunked = rng.choice(n, size=max(1, n // 4), replace=False)
+        spare = max(PREFILL_BUDGET - n, len(chunked))
+        lengths[chunked] = (
+            rng.multinomial(spare - len(chunked), [1 / len(chunked)] * len(chunked)) + 1
+        )
+    snapshot = rng.integers(0, 256, size=(int(lengths.sum()), *SHAPE), dtype=np.uint8)
+    token_starts = rng.integers(0, 16_000, size=n).tolist()
+    tags = rng.integers(1 << 32, size=n).tolist()
+    outputs: dict[str, AuxRequestOutput] = {}
+    requests = []
+    start = 0
+    for i, (length, token_start, tag) in enumerate(
+        zip(lengths.tolist(), token_starts, tags, strict=True)
+    ):
+        request_id = f"chatcmpl-{i:06d}-{tag:08x}"
+        # As _commit_output builds them: views of the step's snapshot.
+        outputs[request_id] = AuxRequestOutput(token_start, snapshot[start : start + length])
+        requests.append(FakeRequest(request_id, token_start + length + 1))
+        start += length
+    return outputs, requests
+
+
+def mq_dumps(obj: Any) -> list[Any]:
+    """MessageQueue.enqueue's pickling: the stream first, then out-of-band buffers."""
+    buffers: list[Any] = [b""]
+
+    def oob_callback(buf: pickle.PickleBuffer) -> bool:
+        raw = buf.raw()
+        if len(raw) < INLINE_LIMIT:
+            return True
+        buffers.append(raw)
+        return False
+
+    dispatch_table = dict(copyreg.dispatch_table)
+    dispatch_table[torch.Tensor] = shm_broadcast._reduce_tensor
+    with io.BytesIO() as bio:
+        pickler = pickle.Pickler(
+            bio, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=oob_callback
+        )
+        pickler.dispatch_table = dispatch_table
+        pickler.dump(obj)
+        buffers[0] = bio.getvalue()
+    return buffers
+
+
+def mq_loads(buffers: list[Any]) -> Any:
+    """MessageQueue.dequeue's unpickling: out-of-band buffers are copied to bytearrays."""
+    return pickle.loads(buffers[0], buffers=[bytearray(b) for b in buffers[1:]])
+
+
+def take_all(output: Any, requests: list[FakeRequest], take: Callable[..., Any]) -> int:
+    rows = 0
+    for request in requests:
+        rows += len(take(request, output))
+    return rows
+
+
+Samples = dict[str, list[float]]
+
+
+def _ms(samples: list[float], stat: Callable[[list[float]], float] = statistics.median) -> float:
+    return stat(samples) * 1e3
+
+
+def _sum(res: Samples, *keys: str) -> list[float]:
+    return [sum(values) for values in zip(*(res[k] for k in keys), strict=True)]
+
+
+def fresh_step(n: int, mix: str, seed: int) -> tuple[dict[str, AuxRequestOutput], list[Any]]:
+    """Build a step right before timing it, as _commit_output does before the send.
+
+    Each arm gets its own identical copy, so neither runs on objects the other arm's
+    pickling just pulled into (or evicted from) the CPU caches.
+    """
+    gc.collect()
+    return make_step(n, mix, np.random.default_rng(seed))
+
+
+def bench_inprocess(n: int, mix: str, steps: int, seed: int) -> Samples:
+    take = AuxOutputSchedulerConnector().take_output
+    res: Samples = {k: [] for k in ("d_tr", "p_build", "p_tr", "d_take", "p_take")}
+    for step in range(steps):
+        outputs, requests = fresh_step(n, mix, seed + step)
+        gc.disable()
+        t0 = time.perf_counter()
+        received = mq_loads(mq_dumps(outputs))
+        t1 = time.perf_counter()
+        d_rows = take_all(received, requests, take)
+        t2 = time.perf_counter()
+        gc.enable()
+        outputs, requests = fresh_step(n, mix, seed + step)
+        gc.disable()
+        t3 = time.perf_counter()
+        packed = PackedAuxOutputs.pack(outputs)
+        t4 = time.perf_counter()
+        received_p = mq_loads(mq_dumps(packed))
+        t5 = time.perf_counter()
+        p_rows = take_all(received_p, requests, take)
+        t6 = time.perf_counter()
+        gc.enable()
+        assert d_rows == p_rows
+        for key, value in zip(res, (t1 - t0, t4 - t3, t5 - t3, t2 - t1, t6 - t5), strict=True):
+            res[key].append(value)
+    return res
+
+
+def _reader(handle: Any, conn: Any) -> None:
+    queue = MessageQueue.create_from_handle(handle, 0)
+    queue.wait_until_ready()
+    take = AuxOutputSchedulerConnector().take_output
+    while True:
+        requests = conn.recv()
+        if requests is None:
+            return
+        gc.collect()
+        gc.disable()
+        t0 = time.perf_counter()
+        output = queue.dequeue()
+        t1 = time.perf_counter()
+        rows = take_all(output, requests, take)
+        t2 = time.perf_counter()
+        gc.enable()
+        conn.send((t1 - t0, t2 - t1, rows))
+
+
+def bench_message_queue(
+    sizes: list[int], mixes: list[str], steps: int, seed: int
+) -> dict[tuple[int, str], Samples]:
+    parent, child = mp.get_context("fork").Pipe()
+    handle_pipe, handle_child = mp.get_context("fork").Pipe()
+    ctx = mp.get_context("fork")
+
+    def reader_main(conn: Any = child, hconn: Any = handle_child) -> None:
+        _reader(hconn.recv(), conn)
+
+    process = ctx.Process(target=reader_main, daemon=True)
+    process.start()  # forked before any zmq context exists in this process
+    queue = MessageQueue(1, 1)
+    handle_pipe.send(queue.export_handle())
+    queue.wait_until_ready()
+    results = {}
+    try:
+        for n in sizes:
+            for mix in mixes:
+                res: dict[str, list[float]] = {
+                    k: [] for k in ("d_enq", "d_deq", "d_take", "p_enq", "p_deq", "p_take")
+                }
+                for step in range(steps):
+                    for arm in ("d", "p"):
+                        outputs, requests = fresh_step(n, mix, seed + step)
+                        gc.disable()
+                        t0 = time.perf_counter()
+                        queue.enqueue(outputs if arm == "d" else PackedAuxOutputs.pack(outputs))
+                        enq = time.perf_counter() - t0
+                        gc.enable()
+                        # Sent after enqueue, so the reader's dequeue does not include
+                        # waiting (and a spinning reader does not steal the writer's core).
+                        parent.send(requests)
+                        deq, took, rows = parent.recv()
+                        assert rows == sum(len(o.rows) for o in outputs.values())
+                        res[f"{arm}_enq"].append(enq)
+                        res[f"{arm}_deq"].append(deq)
+                        res[f"{arm}_take"].append(took)
+                results[(n, mix)] = res
+    finally:
+        parent.send(None)
+        process.join(10)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", default="400,1000,2000")
+    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    sizes = [int(x) for x in args.requests.split(",")]
+    mixes = ["decode", "prefill"]
+    started = time.perf_counter()
+
+    print(f"rows per token {SHAPE} uint8; ms per step, median of {args.steps} steps")
+    print("ratio = dict / packed on medians; [min] = the same ratio on per-arm minimums")
+    head = (
+        f"{'reqs':>5} {'mix':>7} | transport: {'dict':>7} {'packed':>7} {'ratio':>6} {'[min]':>6}"
+    )
+    head += (
+        f" | full: {'dict':>7} {'packed':>7} {'ratio':>6} | take_output: {'dict':>6} {'packed':>6}"
+    )
+
+    def row(n: int, mix: str, tr: tuple[list[float], list[float]], r: Samples) -> str:
+        (tr_d, tr_p), take_d, take_p = tr, r["d_take"], r["p_take"]
+        full_d, full_p = (
+            _ms(_sum({"a": tr_d, "b": take_d}, "a", "b")),
+            _ms(_sum({"a": tr_p, "b": take_p}, "a", "b")),
+        )
+        return (
+            f"{n:>5} {mix:>7} |            {_ms(tr_d):>7.3f} {_ms(tr_p):>7.3f}"
+            f" {_ms(tr_d) / _ms(tr_p):>5.1f}x {min(tr_d) / min(tr_p):>5.1f}x"
+            f" |       {full_d:>7.3f} {full_p:>7.3f} {full_d / full_p:>5.1f}x"
+            f" |              {_ms(take_d):>6.3f} {_ms(take_p):>6.3f}"
+        )
+
+    print("\nin-process, MessageQueue's pickling: transport = (pack +) pickle + unpickle")
+    print(head)
+    for n in sizes:
+        for mix in mixes:
+            r = bench_inprocess(n, mix, args.steps, args.seed)
+            print(row(n, mix, (r["d_tr"], r["p_tr"]), r) + f"   (pack {_ms(r['p_build']):.3f})")
+
+    print("\nreal MessageQueue: enqueue (packed: pack + enqueue) here, dequeue + take_output")
+    print("in a forked reader process; transport = enqueue + dequeue")
+    print(head)
+    for (n, mix), r in bench_message_queue(sizes, mixes, args.steps, args.seed).items():
+        tr = (_sum(r, "d_enq", "d_deq"), _sum(r, "p_enq", "p_deq"))
+        print(row(n, mix, tr, r))
+    elapsed, load = time.perf_counter() - started, os.getloadavg()[0]
+    print(f"\n(total run {elapsed:.0f} s; 1-min load average {load:.1f} on {os.cpu_count()} cores)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,453 @@
+"""packed_outputs: every consumer sees the same routed-expert rows as with upstream's dict.
+
+The oracle is always vLLM's own code on upstream's own dict: the real
+``AuxOutputSchedulerConnector.take_output`` (rows bytes, dtype, shape, or the exact
+exception), after no transport, plain pickle, the real ``MessageQueue`` between two
+processes, Ray's real zero-copy detach, and the real ``process_output`` path.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import gc  # noqa: E402
+import multiprocessing  # noqa: E402
+import pickle  # noqa: E402
+import pickletools  # noqa: E402
+from collections.abc import Mapping  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from vllm.distributed.aux_output_connector import worker as aux_worker  # noqa: E402
+from vllm.distributed.aux_output_connector.connector import (  # noqa: E402
+    AuxOutputConnectorMetadata,
+    AuxOutputSchedulerConnector,
+    AuxRequestOutput,
+    PackedBlockHashes,
+)
+from vllm.distributed.aux_output_connector.routed_experts import RoutedExpertsBuffer  # noqa: E402
+from vllm.distributed.aux_output_connector.store import BlockObjectStore  # noqa: E402
+from vllm.distributed.device_communicators.shm_broadcast import MessageQueue  # noqa: E402
+
+import prime_r3  # noqa: E402
+from prime_r3.fixes import packed_outputs  # noqa: E402
+from prime_r3.packed import PackedAuxOutputs  # noqa: E402
+
+TAKE = AuxOutputSchedulerConnector().take_output
+SHAPES = [(46, 8), (4, 2), (3,), (2, 0)]
+
+
+class Req:
+    """What take_output reads from a vllm Request: request_id, num_tokens, is_finished()."""
+
+    __slots__ = ("request_id", "num_tokens", "finished")
+
+    def __init__(self, request_id: str, num_tokens: int, finished: bool = False) -> None:
+        self.request_id = request_id
+        self.num_tokens = num_tokens
+        self.finished = finished
+
+    def is_finished(self) -> bool:
+        return self.finished
+
+
+def make_step(
+    rng: np.random.Generator, n: int, dtype: Any = np.uint8, shape: tuple[int, ...] = (46, 8)
+) -> tuple[dict[str, AuxRequestOutput], list[Req]]:
+    """An upstream-shaped step output and the requests the scheduler will look up.
+
+    Rows are mostly views of one snapshot (the fast path), some read-only (rows
+    materialized from the store's bytes) or private copies (buffer.read); lengths are
+    decode rows, zero-length rows and prefill chunks. Requests cover every branch of
+    take_output: accepted rows, None, and both assertion failures, plus missing ids.
+    """
+    high = 256 if np.dtype(dtype) == np.uint8 else 512
+    kinds = rng.choice(3, size=n, p=[0.6, 0.15, 0.25])
+    lengths = np.where(kinds == 0, 1, np.where(kinds == 1, 0, rng.integers(2, 40, size=n)))
+    snapshot = rng.integers(0, high, size=(int(lengths.sum()), *shape), dtype=dtype)
+    bounds = np.concatenate(([0], np.cumsum(lengths)))
+    outputs: dict[str, AuxRequestOutput] = {}
+    requests = []
+    for i in rng.permutation(n).tolist():
+        rows = snapshot[bounds[i] : bounds[i + 1]]
+        source = rng.random()
+        if source < 0.1:
+            rows = np.frombuffer(rows.tobytes(), dtype=dtype).reshape(rows.shape)
+        elif source < 0.2:
+            rows = rows.copy()
+        token_start: Any = int(rng.integers(0, 20_000))
+        if rng.random() < 0.5:  # upstream mixes Python ints and numpy scalars
+            token_start = np.int64(token_start)
+        request_id = f"req-{i}-{rng.integers(1 << 30)}"
+        outputs[request_id] = AuxRequestOutput(token_start, rows)
+        case = rng.random()
+        if case < 0.8:
+            local_end = int(rng.integers(0, len(rows) + 1))
+        elif case < 0.9:
+            local_end = -int(rng.integers(1, 3))
+        else:
+            local_end = len(rows) + int(rng.integers(1, 3))
+        requests.append(Req(request_id, int(token_start) + 1 + local_end, rng.random() < 0.3))
+    requests += [Req(f"missing-{k}", 5) for k in range(2)]
+    return outputs, requests
+
+
+def outcome(request: Req, output: Any) -> tuple[Any, ...]:
+    try:
+        rows = TAKE(request, output)
+    except Exception as error:  # noqa: BLE001 - the failure itself is compared
+        return ("raise", type(error), str(error))
+    if rows is None:
+        return ("none",)
+    return ("rows", rows.dtype.str, rows.shape, rows.tobytes())
+
+
+def writable(request: Req, output: Any) -> bool | None:
+    try:
+        rows = TAKE(request, output)
+    except AssertionError:
+        return None
+    return None if rows is None else bool(rows.flags.writeable)
+
+
+def assert_parity(expected: Any, got: Any, requests: list[Req]) -> None:
+    for request in requests:
+        assert outcome(request, got) == outcome(request, expected), request.request_id
+
+
+def assert_writable_where_upstream_is(expected: Any, got: Any, requests: list[Req]) -> None:
+    for request in requests:
+        if writable(request, expected):
+            assert writable(request, got), request.request_id
+
+
+STEPS = [  # (seed, requests, dtype, per-token shape)
+    (0, 0, np.uint8, (46, 8)),
+    (1, 1, np.uint8, (46, 8)),
+    (2, 37, np.uint16, (4, 2)),
+    (3, 400, np.uint8, (46, 8)),
+    (4, 150, np.uint16, (3,)),
+    (5, 60, np.uint8, (2, 0)),
+    (6, 2000, np.uint8, (46, 8)),
+    (7, 2000, np.uint16, (46, 8)),
+]
+
+
+@pytest.mark.parametrize(("seed", "n", "dtype", "shape"), STEPS)
+def test_take_output_parity_direct_and_pickled(seed: int, n: int, dtype: Any, shape: Any) -> None:
+    outputs, requests = make_step(np.random.default_rng(seed), n, dtype, shape)
+    packed = PackedAuxOutputs.pack(outputs)
+    assert_parity(outputs, packed, requests)
+    for protocol in (4, 5):
+        upstream = pickle.loads(pickle.dumps(outputs, protocol=protocol))
+        received = pickle.loads(pickle.dumps(packed, protocol=protocol))
+        assert isinstance(received, PackedAuxOutputs)
+        assert_parity(upstream, received, requests)
+        assert_parity(outputs, received, requests)
+        assert_writable_where_upstream_is(upstream, received, requests)
+
+
+def test_parity_with_real_vllm_requests() -> None:
+    """The stub reads what a real Request exposes; check with real ones on one step."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    outputs, stubs = make_step(np.random.default_rng(9), 80)
+    params = SamplingParams(max_tokens=4)
+    requests = []
+    for stub in stubs:
+        if stub.num_tokens < 1:
+            continue
+        request = Request(stub.request_id, list(range(stub.num_tokens)), params, None)
+        if stub.finished:
+            request.status = RequestStatus.FINISHED_STOPPED
+        assert request.num_tokens == stub.num_tokens and request.is_finished() == stub.finished
+        requests.append(request)
+    packed = pickle.loads(pickle.dumps(PackedAuxOutputs.pack(outputs), protocol=5))
+    assert_parity(outputs, packed, requests)
+    assert {outcome(r, outputs)[0] for r in requests} == {"rows", "none", "raise"}
+
+
+def test_mapping_behaves_like_the_dict() -> None:
+    outputs, _ = make_step(np.random.default_rng(11), 50, np.uint16, (4, 2))
+    packed = PackedAuxOutputs.pack(outputs)
+    assert isinstance(packed, Mapping) and len(packed) == len(outputs)
+    assert list(packed) == list(outputs) and list(packed.keys()) == list(outputs.keys())
+    for (key, value), (ref_key, ref) in zip(packed.items(), outputs.items(), strict=True):
+        assert key == ref_key and type(value) is AuxRequestOutput
+        assert value.token_start == ref.token_start and type(value.token_start) is int
+        assert value.rows.dtype == ref.rows.dtype and np.array_equal(value.rows, ref.rows)
+    assert [v.token_start for v in packed.values()] == [v.token_start for v in outputs.values()]
+    first = next(iter(outputs))
+    assert packed[first] is packed.get(first)  # built once, so attribute updates stick
+    assert packed.get("nope") is None and packed.get("nope", 3) == 3 and "nope" not in packed
+    with pytest.raises(KeyError) as packed_error:
+        packed["nope"]
+    with pytest.raises(KeyError) as dict_error:
+        outputs["nope"]
+    assert packed_error.value.args == dict_error.value.args
+    with pytest.raises(TypeError):
+        packed[first] = packed[first]  # type: ignore[index]
+
+
+def test_pickle_size_does_not_grow_objects_per_request() -> None:
+    """The pickle stream holds the same opcodes for 3 or 2000 requests: no per-request objects."""
+
+    sized = {"BININT1": "INT", "BININT2": "INT", "BININT": "INT", "BINUNICODE": "STR"}
+    sized |= {"SHORT_BINUNICODE": "STR", "SHORT_BINBYTES": "BYTES", "BINBYTES": "BYTES"}
+
+    def opcodes(n: int) -> list[str]:
+        outputs, _ = make_step(np.random.default_rng(n), n)
+        data = pickle.dumps(PackedAuxOutputs.pack(outputs), protocol=5)
+        ops = (op.name for op, _, _ in pickletools.genops(data) if op.name != "FRAME")
+        return [sized.get(name, name) for name in ops]
+
+    assert opcodes(3) == opcodes(2000)
+    assert len(opcodes(2000)) < 60
+    outputs, _ = make_step(np.random.default_rng(0), 50)
+    assert len(list(pickletools.genops(pickle.dumps(outputs, protocol=5)))) > 50 * 10
+
+
+def test_unpacked_fallback_and_validation() -> None:
+    rows = np.zeros((2, 3), np.uint8)
+    mixed = {"a": AuxRequestOutput(0, rows), "b": AuxRequestOutput(0, rows.astype(np.uint16))}
+    with pytest.raises(TypeError):
+        PackedAuxOutputs.pack(mixed)
+    with pytest.raises(ValueError):
+        PackedAuxOutputs.pack({"a": AuxRequestOutput(0, rows), "b": AuxRequestOutput(0, rows.T)})
+    with pytest.raises(ValueError):
+        PackedAuxOutputs(["a"], [0], [0, 3], rows)
+    wrapper = packed_outputs._pack_step_output({})
+    assert wrapper(lambda: mixed, None, (), {}) is mixed  # upstream's dict goes on unchanged
+    assert wrapper(lambda: None, None, (), {}) is None
+    packed = wrapper(lambda: {"a": AuxRequestOutput(0, rows)}, None, (), {})
+    assert isinstance(packed, PackedAuxOutputs)
+
+
+def test_ids_containing_the_separator_survive() -> None:
+    rows = np.arange(12, dtype=np.uint8).reshape(4, 3)
+    outputs = {"a\x00b": AuxRequestOutput(1, rows[:2]), "": AuxRequestOutput(2, rows[2:])}
+    received = pickle.loads(pickle.dumps(PackedAuxOutputs.pack(outputs), protocol=5))
+    assert list(received) == list(outputs)
+    assert_parity(outputs, received, [Req("a\x00b", 4), Req("", 5), Req("b", 1)])
+
+
+def test_empty_step_and_no_output_behave_as_upstream() -> None:
+    requests = [Req("r0", 3), Req("r1", 1, finished=True)]
+    empty = PackedAuxOutputs.pack({})
+    for received in (empty, pickle.loads(pickle.dumps(empty, protocol=5))):
+        assert_parity({}, received, requests)
+        assert not received and len(received) == 0 and list(received) == []
+    assert_parity(None, None, requests)  # worker had no output: the wrapper passes None on
+
+
+def test_readonly_transport_buffers_are_copied_once_and_writable() -> None:
+    """Ray and zmq hand over read-only buffers; rows must not alias them and stay writable."""
+    outputs, requests = make_step(np.random.default_rng(21), 300)
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(PackedAuxOutputs.pack(outputs), protocol=5, buffer_callback=buffers.append)
+    sources = [bytearray(b.raw()) for b in buffers]
+    received = pickle.loads(data, buffers=[memoryview(s).toreadonly() for s in sources])
+    assert received.rows.flags.writeable
+    before = [outcome(r, received) for r in requests]
+    for source in sources:
+        source[:] = bytes(len(source))
+    assert [outcome(r, received) for r in requests] == before
+    assert_parity(outputs, received, requests)
+
+
+def test_ray_zero_copy_detach_keeps_parity() -> None:
+    """vLLM's real detach (Ray executor) iterates values() and reassigns rows."""
+    ray_utils = pytest.importorskip("vllm.v1.executor.ray_utils")
+    detach = getattr(ray_utils, "detach_zero_copy_from_model_runner_output", None)
+    if detach is None:
+        pytest.skip("this vLLM has no Ray zero-copy detach")
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    outputs, requests = make_step(np.random.default_rng(31), 200)
+
+    def ray_like(obj: Any) -> Any:  # out-of-band buffers come back read-only
+        buffers: list[pickle.PickleBuffer] = []
+        data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+        return pickle.loads(data, buffers=[bytes(b.raw()) for b in buffers])
+
+    upstream = ModelRunnerOutput([], {}, aux_output_connector_output=ray_like(outputs))
+    packed = PackedAuxOutputs.pack(outputs)
+    ours = ModelRunnerOutput([], {}, aux_output_connector_output=ray_like(packed))
+    detach(upstream)
+    detach(ours)
+    assert isinstance(ours.aux_output_connector_output, PackedAuxOutputs)
+    assert_parity(upstream.aux_output_connector_output, ours.aux_output_connector_output, requests)
+    assert_writable_where_upstream_is(
+        upstream.aux_output_connector_output, ours.aux_output_connector_output, requests
+    )
+
+
+# -- the real MessageQueue between two processes ---------------------------------------
+
+
+def _mq_reader(handle: Any, conn: Any) -> None:
+    queue = MessageQueue.create_from_handle(handle, 0)
+    queue.wait_until_ready()
+    while (requests := conn.recv()) is not None:
+        upstream, packed = queue.dequeue(), queue.dequeue()
+        conn.send(
+            (
+                type(packed).__name__,
+                [outcome(r, upstream) for r in requests],
+                [outcome(r, packed) for r in requests],
+                [(writable(r, upstream), writable(r, packed)) for r in requests],
+            )
+        )
+
+
+@pytest.mark.parametrize("max_chunk_bytes", [24 << 20, 256 << 10], ids=["shm", "overflow"])
+def test_message_queue_round_trip_between_processes(max_chunk_bytes: int) -> None:
+    ctx = multiprocessing.get_context("fork")
+    conn, child_conn = ctx.Pipe()
+    process = ctx.Process(target=lambda: _mq_reader(child_conn.recv(), child_conn), daemon=True)
+    process.start()  # forked before this process creates any zmq context
+    queue = MessageQueue(1, 1, max_chunk_bytes=max_chunk_bytes)
+    try:
+        conn.send(queue.export_handle())
+        queue.wait_until_ready()
+        steps = [(40, 0, np.uint8), (41, 3, np.uint16), (42, 400, np.uint8), (43, 2000, np.uint8)]
+        for seed, n, dtype in steps:
+            outputs, requests = make_step(np.random.default_rng(seed), n, dtype)
+            queue.enqueue(outputs)
+            queue.enqueue(PackedAuxOutputs.pack(outputs))
+            conn.send(requests)
+            assert conn.poll(60), "reader process did not answer"
+            kind, upstream, packed, flags = conn.recv()
+            assert kind == "PackedAuxOutputs"
+            assert packed == upstream
+            assert packed == [outcome(r, outputs) for r in requests]
+            assert all(ours for theirs, ours in flags if theirs), "lost writability"
+    finally:
+        conn.send(None)
+        process.join(30)
+        del queue
+        gc.collect()
+    assert process.exitcode == 0
+
+
+# -- the real worker path: AuxOutputWorkerConnector.process_output ----------------------
+
+BLOCK = 4
+LAYERS_TOPK = (3, 2)
+
+
+def _connector() -> aux_worker.AuxOutputWorkerConnector:
+    """The output rank's data plane as __init__ builds it, minus the GPU capturer."""
+    dtype = np.dtype(np.uint16)
+    connector = object.__new__(aux_worker.AuxOutputWorkerConnector)
+    connector._store = BlockObjectStore(  # type: ignore[assignment]
+        max_bytes=64 * BLOCK * 6 * 2, object_nbytes=BLOCK * 6 * dtype.itemsize
+    )
+    connector._buffer = RoutedExpertsBuffer(dtype, LAYERS_TOPK, BLOCK, 8, 64, 2)
+    connector._requests = {}
+    connector._generation = 0
+    connector._step_metadata = None
+    connector._pending_outputs = []
+    connector._lock = aux_worker.Lock()
+    connector._max_concurrent_batches = 2
+    return connector
+
+
+def _hashes(*names: str) -> PackedBlockHashes:
+    return PackedBlockHashes(b"".join(n.encode().ljust(8, b"_") for n in names), 8)
+
+
+def _run_worker_steps(seed: int) -> list[tuple[Any, list[Req]]]:
+    """Five steps through the real connector: prefix-cache hits whose rows come from the
+    store (read-only, and store + tail), chunked prefill, decode, rejected speculative
+    tokens, a step with no sampled token, and a finished request torn down."""
+    rng = np.random.default_rng(seed)
+    connector = _connector()
+    steps = [
+        # (emit starts, new block hashes, finished, [(id, token_start, scheduled,
+        #  sampled, rejected)]); block size 4, A's 10-token prompt shares 2 blocks
+        ({"A": 0}, {"A": _hashes("a0", "a1")}, (), [("A", 0, 10, 1, 0)]),
+        (
+            {"A": 10, "B": 0, "C": 0},
+            {"B": _hashes("a0", "a1", "b2"), "C": _hashes("a0", "a1", "c2")},
+            (),
+            [("A", 10, 1, 1, 0), ("B", 8, 4, 1, 0), ("C", 8, 5, 1, 0)],
+        ),
+        (
+            {"A": 11, "B": 12, "C": 13},
+            {},
+            (),
+            [("A", 11, 3, 1, 2), ("B", 12, 1, 1, 0), ("C", 13, 1, 1, 0)],
+        ),
+        ({"B": 13, "C": 14}, {}, ("A",), [("B", 13, 1, 0, 0), ("C", 14, 1, 1, 0)]),
+        ({"B": 13}, {}, (), [("B", 14, 2, 2, 1)]),
+    ]
+    results = []
+    for emit_starts, hashes, finished, batch in steps:
+        connector.begin_step(AuxOutputConnectorMetadata(0, emit_starts, hashes, finished))
+        sizes = [scheduled for _, _, scheduled, _, _ in batch]
+        pending = aux_worker.PendingAuxOutput(
+            connector=connector,
+            request_ids=[rid for rid, *_ in batch],
+            token_starts=np.array([start for _, start, *_ in batch], dtype=np.int32),
+            query_start_loc=np.concatenate(([0], np.cumsum(sizes))).astype(np.int32),
+            routed_experts_gpu=None,  # type: ignore[arg-type]
+            routed_experts=rng.integers(0, 300, (sum(sizes), *LAYERS_TOPK), dtype=np.uint16),
+            num_sampled=np.array([s for *_, s, _ in batch]),
+            num_rejected=np.array([r for *_, r in batch]),
+        )
+        with connector._lock:  # the bookkeeping prepare_output does
+            connector._pending_outputs.append(pending)
+            for rid in pending.request_ids:
+                connector._requests[rid].pending_outputs += 1
+        output = pending.process_output()
+        # Every scheduled request, accepted-rows ends 0..all, and one that never ran.
+        takes = [Req("Z", 3)]
+        for rid, *_ in batch:
+            if rid in output:
+                item = output[rid]
+                for cut in (0, 1, len(item.rows)):
+                    takes.append(Req(rid, int(item.token_start) + cut + 1))
+            else:
+                takes.append(Req(rid, 20))
+        results.append((output, takes))
+    return results
+
+
+def test_worker_process_output_parity_with_patch_applied(reverted: pytest.MonkeyPatch) -> None:
+    upstream = _run_worker_steps(seed=5)
+    assert all(type(output) is dict for output, _ in upstream)
+    # The scenario reaches the store paths: B's rows are the store's bytes (read-only),
+    # C's are store bytes plus the buffered tail, B's last are read from the tail.
+    assert len(upstream[1][0]["B"].rows) == 12 and not upstream[1][0]["B"].rows.flags.writeable
+    assert len(upstream[1][0]["C"].rows) == 13 and upstream[1][0]["C"].token_start == 0
+    assert "B" not in upstream[3][0] and upstream[4][0]["B"].token_start == 13
+
+    report = prime_r3.apply(["packed_outputs"], log=False)
+    assert report.outcome("packed_outputs").state == "applied", report.summary()
+    patched = _run_worker_steps(seed=5)
+    prime_r3.revert(["packed_outputs"])
+    assert type(_run_worker_steps(seed=5)[0][0]) is dict  # reverted: upstream again
+
+    assert len(patched) == len(upstream)
+    for (theirs, requests), (ours, _) in zip(upstream, patched, strict=True):
+        assert isinstance(ours, PackedAuxOutputs)
+        assert list(ours) == list(theirs)
+        assert_parity(theirs, ours, requests)
+        received = pickle.loads(pickle.dumps(ours, protocol=5))
+        assert_parity(pickle.loads(pickle.dumps(theirs, protocol=5)), received, requests)
+        assert_writable_where_upstream_is(theirs, received, requests)
+
+
+def test_packed_rows_do_not_alias_the_step_snapshot() -> None:
+    """Uniproc executor: nothing is pickled, so rows kept downstream must be a private copy."""
+    snapshot = np.arange(24, dtype=np.uint8).reshape(8, 3)
+    packed = PackedAuxOutputs.pack({"a": AuxRequestOutput(0, snapshot[2:5])})
+    kept = TAKE(Req("a", 4), packed)
+    snapshot[:] = 0
+    assert kept.tolist() == [[6, 7, 8], [9, 10, 11], [12, 13, 14]]
+    assert not np.shares_memory(packed.rows, snapshot)

@@ -18,7 +18,7 @@ def _run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_status_json_lists_engine_gc_as_would_apply() -> None:
+def test_status_json_lists_every_patch_as_would_apply_on_0_32() -> None:
     result = _run("status", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -26,6 +26,9 @@ def test_status_json_lists_engine_gc_as_would_apply() -> None:
     states = {o["name"]: o for o in report["outcomes"]}
     assert states["engine_gc"]["state"] == "would_apply"
     assert states["engine_gc"]["vllm_range"] == ">=0.31,<0.34"
+    expected = {"engine_gc", "packed_outputs", "store_eviction", "store_headroom", "store_growth"}
+    assert set(states) == expected
+    assert {o["state"] for o in states.values()} == {"would_apply"}
 
 
 def test_status_text_and_env_disabled() -> None:

@@ -46,3 +46,16 @@ def test_installed_vllm_matches_a_verified_fingerprint_for_every_target() -> Non
             assert not isinstance(resolved, str), resolved
             found = fingerprint.of_object(resolved.function)
             assert found in item.fingerprints, f"{spec.name}: {item.key} is {found}"
+
+
+def test_store_patches_skip_on_0_33_as_fixed_upstream(monkeypatch) -> None:  # noqa: ANN001
+    """vLLM 0.33 keeps referenced keys out of the LRU and grows the arena (read in its wheel)."""
+    from prime_r3 import layer
+
+    monkeypatch.setattr(guards, "installed_vllm_version", lambda: "0.33.0")
+    for o in layer.status(environ={}).outcomes:
+        if o.name.startswith("store_"):
+            assert o.state == layer.SKIPPED
+            assert o.reason == "vllm 0.33.0 has this fix upstream (fixed upstream in 0.33)"
+        else:  # engine_gc and packed_outputs are still needed on 0.33
+            assert o.state == layer.WOULD_APPLY, o

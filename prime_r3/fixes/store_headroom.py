@@ -18,8 +18,9 @@ ContextVar, so per thread and never stored on vLLM's modules), and
 else constructing a ``BlockObjectStore`` gets upstream's behaviour.
 
 vLLM 0.33 still sizes the store at 1x KV (worker.py is unchanged) but no longer needs
-slack: it grows on demand and the scheduler retains KV-cached blocks. We have not
-verified headroom on 0.33, so the range stops at 0.32.
+slack: the overflow that killed the engine is gone (the store grows on demand) and a
+full store no longer costs a rescan (referenced keys leave the LRU). The problem this
+patch exists for is fixed upstream there, so 0.33 skips it with that reason.
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def _store_init(params: Mapping[str, Any]) -> WrapperFn:
 SPEC = PatchSpec(
     name="store_headroom",
     summary="aux-output store on the output worker sized at 2x vLLM's KV-derived capacity",
-    vllm_range=">=0.31,<0.33",
+    vllm_range=">=0.31,<0.34",
+    fixed_upstream_in="0.33",
     processes=frozenset({Process.WORKER}),
     targets=(
         Target(WORKER_MODULE, "AuxOutputWorkerConnector.__init__", CONNECTOR_INIT, _connector_init),
@@ -149,6 +151,6 @@ SPEC = PatchSpec(
     ),
     notes=(
         "An explicit aux_output_config.max_bytes is kept as is. vLLM 0.33 keeps 1x sizing "
-        "but grows on demand, so this is not applied (nor verified) there."
+        "but grows on demand instead of raising, which fixes the overflow this guards against."
     ),
 )

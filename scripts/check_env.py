@@ -24,7 +24,10 @@ def missing(root: pathlib.Path) -> list[str]:
         out.append("torch")
     if _version("vllm") != "0.32.0":
         out.append("vllm")
-    if any(_version(n) is None for n in ("wrapt", "numpy", "packaging", "pytest", "ruff")):
+    if any(
+        _version(n) is None
+        for n in ("wrapt", "numpy", "packaging", "pytest", "ruff", "tqdm", "matplotlib")
+    ):
         out.append("tools")
     dist_ok = _version("prime-r3") is not None and any(
         ep.value.startswith("prime_r3.") for ep in md.entry_points(group="vllm.general_plugins")

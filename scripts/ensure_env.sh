@@ -20,7 +20,7 @@ echo "prime_r3: setting up .venv ($missing)" >&2
 case " $missing " in *" torch "*) "${PIP[@]}" torch==2.13.0 ;; esac
 # torch first: vLLM 0.32.0's pins accept the local CPU build, so pip keeps it.
 case " $missing " in *" vllm "*) "${PIP[@]}" vllm==0.32.0 ;; esac
-case " $missing " in *" tools "*) "${PIP[@]}" wrapt numpy packaging pytest ruff ;; esac
+case " $missing " in *" tools "*) "${PIP[@]}" wrapt numpy packaging pytest ruff tqdm matplotlib ;; esac
 # --no-deps: resolving vllm's deps again would bring back the broken torchvision.
 case " $missing " in *" prime_r3 "*) "${PIP[@]}" --no-deps -e "$ROOT" ;; esac
 # PyPI's torchvision/torchaudio/torchcodec fail to load beside the CPU torch

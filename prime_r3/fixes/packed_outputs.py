@@ -65,7 +65,8 @@ SPEC = PatchSpec(
     name="packed_outputs",
     summary="output worker sends one packed rows array per step instead of a dict per request",
     vllm_range=">=0.31,<0.34",
-    processes=frozenset({Process.WORKER}),
+    # Packed in the output worker; unpacked and looked up by the scheduler in EngineCore.
+    processes=frozenset({Process.WORKER, Process.ENGINE_CORE}),
     targets=(
         Target(
             _WORKER, "AuxOutputWorkerConnector.process_output", _PROCESS_OUTPUT, _pack_step_output

@@ -26,12 +26,25 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from prime_r3.bench.command import main as bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prime-r3", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="each patch, its vLLM range and whether it applies")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.set_defaults(func=_status)
+    from prime_r3.bench.command import add_arguments
+
+    bench = sub.add_parser(
+        "bench", help="CPU engine-step simulator: R3 cost and row parity, with/without prime_r3"
+    )
+    add_arguments(bench)
+    bench.set_defaults(func=_bench)
     return parser
 
 

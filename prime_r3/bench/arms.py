@@ -1,0 +1,155 @@
+"""Arms and the process runner: each arm runs in its own spawned process, one at a time.
+
+A fresh spawned interpreter per arm means no patch, GC threshold or frozen heap can
+leak from one arm into the next, and the arms do not fight over the (few) cores.
+The overlay is configured through the environment before vLLM is imported -- vLLM's
+plugin loader applies prime_r3 from ``PRIME_R3``/``PRIME_R3_PATCHES`` -- and then
+``prime_r3.apply(names=...)`` makes sure the requested patches really are active.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prime_r3.bench.workload import BenchConfig
+
+_PROGRESS_EVERY = 10
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One configuration to measure: R3 on/off and which prime_r3 patches are active."""
+
+    name: str
+    r3: bool
+    #: ``None``: the overlay is off (upstream vLLM); otherwise the patch names applied.
+    patches: tuple[str, ...] | None = None
+
+
+def default_arms(registry_names: Sequence[str], per_patch: Sequence[str] = ()) -> list[Arm]:
+    """R3 off, R3 on upstream, R3 on with every patch, then one arm per requested patch."""
+    arms = [
+        Arm("r3_off", r3=False),
+        Arm("r3_upstream", r3=True),
+        Arm("r3_prime", r3=True, patches=tuple(registry_names)),
+    ]
+    arms += [Arm(f"r3_prime[{name}]", r3=True, patches=(name,)) for name in per_patch]
+    return arms
+
+
+def _child(arm: Arm, cfg: BenchConfig, out: Any) -> None:
+    """Spawned entry point: configure the overlay, run the loop, send the result."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ["PRIME_R3"] = "1" if arm.patches else "0"
+    if arm.patches:
+        os.environ["PRIME_R3_PATCHES"] = ",".join(arm.patches)
+    else:
+        os.environ.pop("PRIME_R3_PATCHES", None)
+    try:
+        import prime_r3
+        from prime_r3 import layer
+        from prime_r3.bench import loop
+
+        _settle_imports()
+        if arm.patches:
+            prime_r3.apply(names=arm.patches, log=False)
+        active = _active(layer)
+        expected = set(arm.patches or ())
+        if set(active) != expected:
+            raise RuntimeError(f"arm {arm.name}: active patches {active}, expected {expected}")
+
+        def progress(step: int) -> None:
+            if (step + 1) % _PROGRESS_EVERY == 0:
+                out.put(("progress", _PROGRESS_EVERY))
+
+        result = loop.run(cfg, arm.r3, progress)
+        result["active_patches"] = active
+        out.put(("done", result))
+    except BaseException:  # noqa: BLE001 - report to the parent instead of dying silently
+        out.put(("failed", traceback.format_exc()))
+    # Everything the arm owns is closed by now (store thread, queue, shared memory).
+    # Skip interpreter teardown: native extensions vLLM loads print leak reports there.
+    out.close()
+    out.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _settle_imports() -> None:
+    """Import what a vLLM worker imports, and wait for the helper builds it spawns.
+
+    Importing ``vllm.v1.worker.gpu_worker`` (which prime_r3's engine_gc resolves) starts
+    short-lived helper processes (kernel-launcher builds); an arm that imported it would
+    otherwise share the cores with them while it is measured. Every arm imports it.
+    """
+    import threading
+
+    import vllm.v1.worker.gpu_worker  # noqa: F401
+
+    for thread in threading.enumerate():
+        if thread.name.endswith("bg-build-reaper"):
+            thread.join(timeout=300)
+
+
+def _active(layer: Any) -> list[str]:
+    return [o.name for o in layer.status().outcomes if o.state == layer.APPLIED]
+
+
+def run_arms(
+    arms: Sequence[Arm],
+    cfg: BenchConfig,
+    on_progress: Callable[[Arm, int], None] | None = None,
+    timeout: float = 3600.0,
+) -> dict[str, dict[str, Any]]:
+    """Run each arm in a fresh spawned process, sequentially; return results by arm name."""
+    ctx = mp.get_context("spawn")
+    results: dict[str, dict[str, Any]] = {}
+    for arm in arms:
+        out = ctx.Queue()
+        proc = ctx.Process(target=_child, args=(arm, cfg, out), name=f"prime-r3-bench-{arm.name}")
+        proc.start()
+        try:
+            results[arm.name] = _collect(arm, proc, out, on_progress, timeout)
+        finally:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            out.close()
+    return results
+
+
+def _collect(
+    arm: Arm,
+    proc: Any,
+    out: Any,
+    on_progress: Callable[[Arm, int], None] | None,
+    timeout: float,
+) -> dict[str, Any]:
+    waited = 0.0
+    while True:
+        try:
+            kind, payload = out.get(timeout=1.0)
+        except queue.Empty:
+            waited += 1.0
+            if not proc.is_alive():
+                return {"error": f"arm process exited with code {proc.exitcode}"}
+            if waited > timeout:
+                return {"error": f"arm timed out after {timeout:.0f} s"}
+            continue
+        if kind == "progress":
+            if on_progress is not None:
+                on_progress(arm, payload)
+        elif kind == "done":
+            return payload
+        else:
+            return {"error": payload}

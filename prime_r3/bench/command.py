@@ -1,0 +1,164 @@
+"""``prime-r3 bench``: flags, the arm run with a progress bar, the report and the parity check."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from prime_r3.bench import arms as arms_mod
+from prime_r3.bench import parity, report
+from prime_r3.bench.workload import BenchConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = BenchConfig()
+    p.add_argument(
+        "-n",
+        "--concurrency",
+        type=int,
+        default=d.concurrency,
+        help="concurrent requests in the closed loop (default %(default)s)",
+    )
+    p.add_argument("--steps", type=int, default=d.steps, help="measured engine steps per arm")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="steps before the window")
+    p.add_argument("--layers", type=int, default=d.layers, help="MoE layers")
+    p.add_argument("--topk", type=int, default=d.topk, help="experts per token")
+    p.add_argument(
+        "--experts", type=int, default=d.experts, help="experts per layer; >256 gives uint16 rows"
+    )
+    p.add_argument("--prefix-len", type=int, default=d.prefix_len, help="shared prefix tokens")
+    p.add_argument("--problem-len", type=int, default=d.problem_len, help="per-prompt tokens")
+    p.add_argument("--samples-per-prompt", type=int, default=d.samples_per_prompt)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="output length cap")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument(
+        "--kv-fraction",
+        type=float,
+        default=d.kv_fraction,
+        help="KV blocks as a fraction of full-length demand (small: it fills)",
+    )
+    p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks (overrides fraction)")
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="two batches in flight, as EngineCore's batch queue runs them",
+    )
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--patches", default="", help="also run one arm per patch: comma list of names, or 'each'"
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run all arms this many times, round-robin; report medians",
+    )
+    p.add_argument("--no-parity", action="store_true", help="skip row hashing and parity")
+    p.add_argument("--json", metavar="PATH", help="write the summary as JSON ('-': stdout)")
+    p.add_argument("--plot", metavar="PNG", help="plot per-step engine CPU time of each arm")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(
+        concurrency=args.concurrency,
+        steps=args.steps,
+        warmup=args.warmup,
+        layers=args.layers,
+        topk=args.topk,
+        experts=args.experts,
+        prefix_len=args.prefix_len,
+        problem_len=args.problem_len,
+        samples_per_prompt=args.samples_per_prompt,
+        max_tokens=args.max_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_fraction=args.kv_fraction,
+        kv_blocks=args.kv_blocks,
+        async_scheduling=args.async_scheduling,
+        seed=args.seed,
+        parity=not args.no_parity,
+    )
+
+
+def check_parity(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Upstream R3 vs every prime_r3 arm; raises ParityError on the first mismatch."""
+    base = results.get("r3_upstream")
+    checked: dict[str, Any] = {}
+    if base is None or "digests" not in base:
+        return checked
+    for name, result in results.items():
+        if name.startswith("r3_prime") and "digests" in result:
+            checked[name] = parity.compare(base, result, ("r3_upstream", name))
+    return checked
+
+
+def main(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from prime_r3.patches import REGISTRY
+
+    cfg = config_from_args(args)
+    names = [s.name for s in REGISTRY]
+    per_patch = names if args.patches == "each" else [n for n in args.patches.split(",") if n]
+    unknown = sorted(set(per_patch) - set(names))
+    if unknown:
+        print(f"prime-r3 bench: unknown patch(es) {unknown}; known: {names}", file=sys.stderr)
+        return 2
+    arms = arms_mod.default_arms(names, per_patch)
+    print(
+        f"prime-r3 bench: {len(arms)} arms x {cfg.total_steps} steps, {cfg.concurrency} "
+        f"concurrent, {cfg.num_kv_blocks} KV blocks, {cfg.layers}x{cfg.topk} routing "
+        f"({'async' if cfg.async_scheduling else 'sync'} scheduling)",
+        file=sys.stderr,
+    )
+    repeats = max(args.repeat, 1)
+    with tqdm(total=repeats * len(arms) * cfg.total_steps, unit="step", file=sys.stderr) as bar:
+
+        def progress(arm: arms_mod.Arm, steps: int) -> None:
+            bar.set_description(arm.name)
+            bar.update(steps)
+
+        # Round-robin repeats, so slow drift in other load on the box hits every arm alike.
+        rounds = [arms_mod.run_arms(arms, cfg, progress) for _ in range(repeats)]
+    results = rounds[0]
+    summaries = report.combine(
+        [{name: report.summarize(r, cfg) for name, r in res.items()} for res in rounds]
+    )
+    report.add_ratios(summaries)
+    status = 0
+    try:
+        checked = {}
+        for res in rounds if cfg.parity else []:
+            checked = check_parity(res)
+        parity_note = {"ok": True, "checked": checked}
+    except parity.ParityError as error:
+        parity_note = {"ok": False, "error": str(error)}
+        status = 1
+    if any(r.get("error") for r in results.values()):
+        status = 1
+    out = sys.stderr if args.json == "-" else sys.stdout  # keep stdout pure JSON
+    print(report.table(summaries), file=out)
+    print(_parity_line(parity_note), file=out)
+    if args.json:
+        text = report.to_json(cfg, summaries, parity_note)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    if args.plot:
+        report.plot(results, cfg, args.plot)
+    return status
+
+
+def _parity_line(note: dict[str, Any]) -> str:
+    if not note["ok"]:
+        return f"PARITY FAILED: {note['error']}"
+    if not note["checked"]:
+        return "parity: not checked"
+    parts = [
+        f"{name}: {c['requests']} requests / {c['rows']} rows identical "
+        f"({c['preempted_requests']} preempted, {c['prefix_hit_requests']} prefix-hit)"
+        for name, c in note["checked"].items()
+    ]
+    return "parity vs r3_upstream:\n  " + "\n  ".join(parts)

@@ -19,6 +19,7 @@ def _status(args: argparse.Namespace) -> int:
         state = {
             layer.WOULD_APPLY: "would apply",
             layer.APPLIED: "applied",
+            layer.PENDING: f"applied to imported modules; {o.reason}",
             layer.SKIPPED: f"skipped: {o.reason}",
             layer.DISABLED: f"disabled by env: {o.reason}",
         }.get(o.state, o.state)

@@ -3,13 +3,21 @@
 Every target is replaced by a ``wrapt.FunctionWrapper`` around the original, so
 ``__wrapped__`` always holds the upstream object. A patch with several targets is
 applied all-or-nothing: if any step fails, the targets already replaced are restored.
+
+Targets in modules this process has not imported yet are not imported by us (that
+would cost seconds and, for ``vllm.v1.worker.gpu_worker``, start helper processes in
+the API server and EngineCore). They are installed by a post-import hook when vLLM
+imports them, after the same guards; a guard failing then rolls back the patch's
+other targets too. Until then the patch is reported as pending import.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -17,7 +25,7 @@ from typing import Any
 import wrapt
 
 from prime_r3 import config, guards, state
-from prime_r3.spec import PatchSpec
+from prime_r3.spec import Anchor, PatchSpec, Target
 
 logger = logging.getLogger("vllm.prime_r3")
 
@@ -26,6 +34,7 @@ ALREADY = "already_applied"
 WOULD_APPLY = "would_apply"
 SKIPPED = "skipped"
 DISABLED = "disabled"
+PENDING = "pending_import"
 REVERTED = "reverted"
 NOT_ACTIVE = "not_active"
 KEPT = "kept"
@@ -74,6 +83,9 @@ class Report:
     def summary(self) -> str:
         active = ", ".join(self.names(APPLIED, ALREADY, WOULD_APPLY)) or "none"
         parts = [f"prime_r3 on vllm {self.vllm_version} (pid {os.getpid()}): active: {active}"]
+        pending = [f"{o.name} ({o.reason})" for o in self.outcomes if o.state == PENDING]
+        if pending:
+            parts.append("on import: " + "; ".join(pending))
         skipped = [f"{o.name} ({o.reason})" for o in self.outcomes if o.state == SKIPPED]
         if skipped:
             parts.append("skipped: " + "; ".join(skipped))
@@ -119,12 +131,15 @@ def apply(
             elif spec.name not in selected:
                 outcomes.append(_outcome(spec, DISABLED, f"not selected by {config.PATCHES_VAR}"))
             elif state.active_wrappers(spec.name) is not None:
-                outcomes.append(_outcome(spec, ALREADY))
-            else:
-                reason = _check(spec, version) or _install(spec, settings.params[spec.name])
+                waiting = state.pending_modules(spec.name)
                 outcomes.append(
-                    _outcome(spec, SKIPPED, reason) if reason else _outcome(spec, APPLIED)
+                    _outcome(spec, PENDING, _waiting_reason(waiting))
+                    if waiting
+                    else _outcome(spec, ALREADY)
                 )
+            else:
+                params = settings.params[spec.name]
+                outcomes.append(_apply_spec(spec, version, params, spec.name in requested))
     report = Report(version, tuple(outcomes))
     if log:
         logger.info(report.summary())
@@ -164,7 +179,12 @@ def status(environ: Mapping[str, str] | None = None) -> Report:
     outcomes = []
     for spec in specs:
         if state.active_wrappers(spec.name) is not None:
-            outcomes.append(_outcome(spec, APPLIED))
+            waiting = state.pending_modules(spec.name)
+            outcomes.append(
+                _outcome(spec, PENDING, _waiting_reason(waiting))
+                if waiting
+                else _outcome(spec, APPLIED)
+            )
         elif not settings.enabled:
             outcomes.append(_outcome(spec, DISABLED, f"{config.ENABLE_VAR}=0"))
         elif spec.name not in settings.selected:
@@ -209,10 +229,15 @@ def _outcome(spec: PatchSpec, status_: str, reason: str = "") -> Outcome:
 
 
 def _check(spec: PatchSpec, version: str | None) -> str | None:
+    """Every guard of the patch, importing what it must (status and tests)."""
     reason = guards.check_version(spec, version)
     if reason:
         return reason
-    for item in (*spec.targets, *spec.anchors):
+    return _check_items((*spec.targets, *spec.anchors))
+
+
+def _check_items(items: Sequence[Target | Anchor]) -> str | None:
+    for item in items:
         resolved = guards.resolve(item)
         if isinstance(resolved, str):
             return resolved
@@ -222,12 +247,86 @@ def _check(spec: PatchSpec, version: str | None) -> str | None:
     return None
 
 
-def _install(spec: PatchSpec, params: Mapping[str, Any]) -> str | None:
-    """Replace every target or none; return a reason on failure."""
+def _waiting_reason(modules: Iterable[str] | None) -> str:
+    return "waits for import of " + ", ".join(sorted(modules or ()))
+
+
+def _apply_spec(spec: PatchSpec, version: str | None, params: Mapping[str, Any], requested: bool):  # noqa: ANN202
+    """Install the targets whose modules are loaded; hook the rest to their import."""
+    reason = guards.check_version(spec, version)
+    if reason:
+        return _outcome(spec, SKIPPED, reason)
+    modules = list(dict.fromkeys(t.module for t in spec.targets))
+    ready = [m for m in modules if m in sys.modules]
+    waiting = [m for m in modules if m not in sys.modules]
+    if ready:
+        reason = _install_units(spec, ready, params)
+        if reason:
+            return _outcome(spec, SKIPPED, reason)
+    else:
+        state.add_wrappers(spec.name, {})
+    if not waiting:
+        return _outcome(spec, APPLIED)
+    token = object()
+    state.set_pending(spec.name, token, set(waiting))
+    for module in waiting:
+        hook = functools.partial(_on_import, spec, token, module, params, requested)
+        wrapt.register_post_import_hook(hook, module)
+    return _outcome(spec, PENDING, _waiting_reason(waiting))
+
+
+def _on_import(
+    spec: PatchSpec,
+    token: object,
+    module: str,
+    params: Mapping[str, Any],
+    requested: bool,
+    _module_object: object,
+) -> None:
+    """Post-import hook: install this module's targets, or roll the whole patch back."""
+    with state.lock():
+        waiting = state.pending_modules(spec.name, token)
+        if waiting is None or module not in waiting:
+            return  # reverted, or re-applied since this hook was registered
+        try:
+            reason = _install_units(spec, [module], params)
+        except Exception as error:  # noqa: BLE001 - never break vLLM's import
+            reason = f"{type(error).__name__}: {error}"
+        if reason is None:
+            waiting.discard(module)
+            if not waiting:
+                state.clear_pending(spec.name)
+            logger.debug("prime_r3: %s installed on import of %s", spec.name, module)
+            return
+        _uninstall(spec, state.active_wrappers(spec.name) or {})
+        state.forget(spec.name)
+    message = f"prime_r3: {spec.name} skipped on import of {module}: {reason}"
+    if requested:
+        raise PatchNotApplied(
+            Report(guards.installed_vllm_version(), (_outcome(spec, SKIPPED, reason),)),
+            [spec.name],
+        )
+    logger.warning("%s (its other targets were rolled back)", message)
+
+
+def _install_units(
+    spec: PatchSpec, modules: Sequence[str], params: Mapping[str, Any]
+) -> str | None:
+    """Check, then replace every target in ``modules`` or none; return a reason on failure.
+
+    Anchors in those modules are checked with them; anchors in modules holding no
+    target (e.g. the consumer of a producer we patch) are checked with every unit.
+    """
+    target_modules = {t.module for t in spec.targets}
+    targets = [t for t in spec.targets if t.module in modules]
+    anchors = [a for a in spec.anchors if a.module in modules or a.module not in target_modules]
+    reason = _check_items((*targets, *anchors))
+    if reason:
+        return reason
     done: list[tuple[Any, str, Any]] = []
     wrappers: dict[str, Any] = {}
     try:
-        for target in spec.targets:
+        for target in targets:
             resolved = guards.resolve(target)
             if isinstance(resolved, str):
                 raise LookupError(resolved)
@@ -237,14 +336,12 @@ def _install(spec: PatchSpec, params: Mapping[str, Any]) -> str | None:
             done.append((resolved.owner, resolved.name, original))
             state.save_original(target.key, original)
             wrappers[target.key] = wrapper
-        if spec.on_apply is not None:
-            spec.on_apply(params)
     except Exception as error:  # noqa: BLE001 - roll back whatever happened
         for owner, name, original in reversed(done):
             setattr(owner, name, original)
         logger.warning("prime_r3: %s rolled back: %s", spec.name, error)
         return f"apply failed and was rolled back: {type(error).__name__}: {error}"
-    state.mark_active(spec.name, wrappers)
+    state.add_wrappers(spec.name, wrappers)
     return None
 
 
@@ -261,5 +358,5 @@ def _uninstall(spec: PatchSpec, wrappers: Mapping[str, Any]) -> str | None:
         setattr(resolved.owner, resolved.name, state.get_original(*key.split(":", 1)))
     if spec.on_revert is not None:
         spec.on_revert()
-    state.mark_inactive(spec.name)
+    state.forget(spec.name)
     return None

@@ -92,8 +92,7 @@ class PatchSpec:
     params: tuple[Param, ...] = ()
     #: Release that carries the fix upstream; versions >= it skip with that reason.
     fixed_upstream_in: str | None = None
-    #: Called after all targets are in place / after they are removed.
-    on_apply: Callable[[Mapping[str, Any]], None] | None = None
+    #: Called after the patch's targets are removed (e.g. to undo a side effect).
     on_revert: Callable[[], None] | None = None
     notes: str = field(default="")
 

@@ -15,6 +15,8 @@ _lock = threading.RLock()
 _originals: dict[str, Any] = {}
 #: patch name -> {"module:attr": the wrapper prime_r3 installed}.
 _active: dict[str, dict[str, Any]] = {}
+#: patch name -> (token, modules whose import will install the rest of the patch).
+_pending: dict[str, tuple[object, set[str]]] = {}
 
 
 def lock() -> threading.RLock:
@@ -31,21 +33,38 @@ def get_original(module: str, attr: str) -> Any:
     return _originals[f"{module}:{attr}"]
 
 
-def mark_active(name: str, wrappers: dict[str, Any]) -> None:
-    _active[name] = dict(wrappers)
-
-
-def mark_inactive(name: str) -> None:
-    _active.pop(name, None)
+def add_wrappers(name: str, wrappers: dict[str, Any]) -> None:
+    _active.setdefault(name, {}).update(wrappers)
 
 
 def active_wrappers(name: str) -> dict[str, Any] | None:
-    wrappers = _active.get(name)
-    return None if wrappers is None else dict(wrappers)
+    """Wrappers installed for ``name`` (None if the patch is neither active nor pending)."""
+    if name not in _active and name not in _pending:
+        return None
+    return dict(_active.get(name, {}))
 
 
-def active_names() -> list[str]:
-    return list(_active)
+def set_pending(name: str, token: object, modules: set[str]) -> None:
+    _pending[name] = (token, set(modules))
+
+
+def pending_modules(name: str, token: object | None = None) -> set[str] | None:
+    """Modules still awaited by ``name`` (None if nothing is pending or the token is stale)."""
+    entry = _pending.get(name)
+    if entry is None or (token is not None and entry[0] is not token):
+        return None
+    return entry[1]
+
+
+def clear_pending(name: str) -> None:
+    """Every target of ``name`` is installed: nothing left to wait for."""
+    _pending.pop(name, None)
+
+
+def forget(name: str) -> None:
+    """Drop every record of ``name``: a stale import hook then finds nothing to do."""
+    _active.pop(name, None)
+    _pending.pop(name, None)
 
 
 def is_object_patched(obj: Any) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import multiprocessing
 import os
+import sys
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ def _child(env: dict[str, str], queue: Any) -> None:
         from vllm.plugins import load_general_plugins
 
         load_general_plugins()
+        imported_by_load = "vllm.v1.worker.gpu_worker" in sys.modules
         import vllm.v1.engine.core as core
         import vllm.v1.worker.gpu_worker as gpu_worker
 
@@ -27,9 +29,11 @@ def _child(env: dict[str, str], queue: Any) -> None:
 
         queue.put(
             {
+                "imported_by_load": imported_by_load,
                 "engine_core": prime_r3.is_object_patched(core.freeze_gc_heap),
                 "worker": prime_r3.is_object_patched(gpu_worker.freeze_gc_heap),
                 "states": {o.name: o.state for o in prime_r3.status().outcomes},
+                "reasons": {o.name: o.reason for o in prime_r3.status().outcomes},
             }
         )
     except BaseException as error:  # noqa: BLE001 - report to the parent
@@ -56,7 +60,14 @@ def test_load_general_plugins_in_a_spawned_process_applies_patches(start_method:
     result = _run_spawned({"VLLM_TARGET_DEVICE": "cpu"})
     assert "error" not in result, result
     assert result["engine_core"] and result["worker"]
-    assert result["states"]["engine_gc"] == "applied"
+    # Installed in the two modules imported here; the API-server target waits for its module.
+    assert result["states"]["engine_gc"] == "pending_import"
+    assert result["reasons"]["engine_gc"] == (
+        "waits for import of vllm.entrypoints.launchers.utils.server_utils"
+    )
+    # Loading the plugin must not import the worker module (it starts helper processes):
+    # its targets are installed when vLLM imports it.
+    assert result["imported_by_load"] is False
 
 
 def test_spawned_process_honours_prime_r3_off() -> None:

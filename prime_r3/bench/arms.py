@@ -101,7 +101,10 @@ def _settle_imports() -> None:
 
 
 def _active(layer: Any) -> list[str]:
-    return [o.name for o in layer.status().outcomes if o.state == layer.APPLIED]
+    """Patches in force here: fully applied, or applied to every module imported so far
+    (engine_gc's API-server target waits for a module the simulator never imports)."""
+    states = (layer.APPLIED, layer.PENDING)
+    return [o.name for o in layer.status().outcomes if o.state in states]
 
 
 def run_arms(

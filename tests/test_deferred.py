@@ -1,0 +1,125 @@
+"""Targets in modules not yet imported are installed when vLLM imports them, not before."""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import sys
+
+import pytest
+
+import prime_r3
+from prime_r3 import fingerprint, layer
+from prime_r3.spec import PatchSpec, Process, Target
+
+LAZY = "tests.fake_lazy_upstream"
+CONSUMER = "tests.fake_lazy_consumer"
+HERE = pathlib.Path(__file__).parent
+
+
+def _fp(module_file: str, qualname: str) -> frozenset[str]:
+    """Fingerprint from the file, without importing the module."""
+    return frozenset({fingerprint.of_source((HERE / module_file).read_text(), qualname)})
+
+
+def _plus(n: int):  # noqa: ANN202
+    def factory(params):  # noqa: ANN001, ANN202
+        return lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs) + n
+
+    return factory
+
+
+def _suffix(params):  # noqa: ANN001, ANN202
+    return lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs) + "+patched"
+
+
+def _unimport() -> None:
+    for name in (LAZY, CONSUMER):
+        sys.modules.pop(name, None)
+        attr = name.rsplit(".", 1)[1]
+        if hasattr(sys.modules["tests"], attr):
+            delattr(sys.modules["tests"], attr)
+
+
+def _registry(step_fp: frozenset[str] | None = None) -> tuple[PatchSpec, ...]:
+    step = Target(LAZY, "step", step_fp or _fp("fake_lazy_upstream.py", "step"), _plus(100))
+    warm = Target(LAZY, "Worker.warm_up", _fp("fake_lazy_upstream.py", "Worker.warm_up"), _suffix)
+    consume = Target(CONSUMER, "consume", _fp("fake_lazy_consumer.py", "consume"), _plus(1))
+    common = dict(summary="t", vllm_range=">=0.31,<0.34", processes=frozenset({Process.WORKER}))
+    return (
+        PatchSpec(name="lazy", targets=(step, warm), **common),
+        PatchSpec(name="spanning", targets=(consume, step), **common),
+    )
+
+
+@pytest.fixture
+def lazy(reverted: pytest.MonkeyPatch):  # noqa: ANN201
+    _unimport()
+    yield reverted
+    layer.revert()
+    _unimport()
+
+
+def test_apply_does_not_import_and_installs_on_import(lazy) -> None:  # noqa: ANN001
+    lazy.setattr(layer, "registry", lambda: _registry()[:1])
+    report = layer.apply()
+    outcome = report.outcome("lazy")
+    assert outcome.state == layer.PENDING
+    assert outcome.reason == f"waits for import of {LAZY}"
+    assert "on import: lazy (waits for import of tests.fake_lazy_upstream)" in report.summary()
+    assert LAZY not in sys.modules
+    assert layer.apply().outcome("lazy").state == layer.PENDING  # idempotent
+
+    from tests import fake_lazy_upstream as mod
+
+    assert mod.step(1) == 102 and mod.Worker().warm_up() == "warm+patched"
+    assert prime_r3.is_object_patched(mod.step)
+    assert layer.status().outcome("lazy").state == layer.APPLIED
+    original = layer.get_original(LAZY, "step")
+    layer.revert()
+    assert mod.step is original and mod.step(1) == 2
+
+
+def test_revert_before_import_cancels_the_hook(lazy) -> None:  # noqa: ANN001
+    lazy.setattr(layer, "registry", lambda: _registry()[:1])
+    layer.apply()
+    assert layer.revert().outcome("lazy").state == layer.REVERTED
+    from tests import fake_lazy_upstream as mod
+
+    assert mod.step(1) == 2 and not prime_r3.is_object_patched(mod.step)
+
+
+def test_a_patch_spanning_two_lazy_modules_completes_on_the_second(lazy) -> None:  # noqa: ANN001
+    lazy.setattr(layer, "registry", lambda: _registry()[1:])
+    layer.apply()
+    from tests import fake_lazy_consumer as consumer
+
+    assert consumer.consume(1) == 11
+    assert layer.status().outcome("spanning").state == layer.PENDING
+    from tests import fake_lazy_upstream as mod
+
+    assert mod.step(1) == 102
+    assert layer.status().outcome("spanning").state == layer.APPLIED
+
+
+def test_guard_failing_at_import_rolls_back_the_other_targets(lazy, caplog) -> None:  # noqa: ANN001
+    lazy.setattr(layer, "registry", lambda: _registry(frozenset({"0" * 16}))[1:])
+    layer.apply()
+    from tests import fake_lazy_consumer as consumer
+
+    assert consumer.consume(1) == 11  # installed: its own module passed the guards
+    with caplog.at_level(logging.WARNING, logger="vllm.prime_r3"):
+        from tests import fake_lazy_upstream as mod
+    assert "spanning skipped on import of tests.fake_lazy_upstream: target source changed" in (
+        caplog.text
+    )
+    assert mod.step(1) == 2 and consumer.consume(1) == 10  # both back to upstream
+    assert not prime_r3.is_object_patched(consumer.consume)
+    assert layer.status().outcome("spanning").state == layer.SKIPPED
+
+
+def test_requested_patch_failing_at_import_raises_there(lazy) -> None:  # noqa: ANN001
+    lazy.setattr(layer, "registry", lambda: _registry(frozenset({"0" * 16}))[:1])
+    layer.apply(["lazy"])
+    with pytest.raises(prime_r3.PatchNotApplied, match="lazy: target source changed"):
+        import tests.fake_lazy_upstream  # noqa: F401

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import sys
 import textwrap
@@ -60,6 +61,59 @@ def of_object(obj: object) -> str:
     if not module_name or not qualname or "<locals>" in qualname:
         raise SourceUnavailable(f"{obj!r} has no module-level qualified name")
     return of_source(module_source(module_name), qualname)
+
+
+def of_name(module_name: str, qualname: str) -> str:
+    """Fingerprint what ``module_name.qualname`` names, reading files, importing nothing.
+
+    Follows ``from x import y`` at module level, so a function looked up in the module
+    that imports it gets the fingerprint of its definition, as :func:`of_object` gives
+    once the module is imported. Only parent packages are imported (by ``find_spec``).
+    """
+    for _ in range(8):  # import chains are short; stop on a cycle
+        source = file_source(module_name)
+        try:
+            return of_source(source, qualname)
+        except SourceUnavailable:
+            head, dot, rest = qualname.partition(".")
+            origin = _imported_from(source, module_name, head)
+            if origin is None:
+                raise
+            module_name, qualname = origin[0], origin[1] + dot + rest
+    raise SourceUnavailable(f"{module_name}:{qualname}: import chain too long")
+
+
+def file_source(module_name: str) -> str:
+    """Source of a module from its file, without importing the module itself."""
+    module = sys.modules.get(module_name)
+    if module is not None:
+        return module_source(module_name)
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError) as error:
+        raise SourceUnavailable(f"cannot locate {module_name}: {error}") from error
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        raise SourceUnavailable(f"no Python source for module {module_name}")
+    try:
+        return _read_module(spec.origin)
+    except OSError as error:
+        raise SourceUnavailable(f"no source for module {module_name}: {error}") from error
+
+
+def _imported_from(source: str, module_name: str, name: str) -> tuple[str, str] | None:
+    """(module, original name) of a module-level ``from module import original as name``."""
+    for stmt in _parse(source).body:
+        if not isinstance(stmt, ast.ImportFrom):
+            continue
+        for alias in stmt.names:
+            if (alias.asname or alias.name) != name:
+                continue
+            base = stmt.module or ""
+            if stmt.level:
+                package = module_name.rsplit(".", stmt.level)[0]
+                base = f"{package}.{base}" if base else package
+            return base, alias.name
+    return None
 
 
 def module_source(module_name: str) -> str:

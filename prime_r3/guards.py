@@ -60,10 +60,12 @@ class Resolved:
 
 def resolve(target: Target | Anchor) -> Resolved | str:
     """Import and locate a target; a string return is the reason it could not be."""
-    try:
-        owner: Any = importlib.import_module(target.module)
-    except Exception as error:  # noqa: BLE001 - any import failure means "skip"
-        return f"cannot import {target.module}: {type(error).__name__}: {error}"
+    owner: Any = sys.modules.get(target.module)
+    if owner is None:
+        try:
+            owner = importlib.import_module(target.module)
+        except Exception as error:  # noqa: BLE001 - any import failure means "skip"
+            return f"cannot import {target.module}: {type(error).__name__}: {error}"
     *path, name = target.attr.split(".")
     for part in path:
         owner = getattr(owner, part, None)
@@ -76,19 +78,44 @@ def resolve(target: Target | Anchor) -> Resolved | str:
 
 
 def check_source(target: Target | Anchor, resolved: Resolved) -> str | None:
+    """Guard a live object: its source is a verified one and nobody replaced it."""
     function = resolved.function
-    if isinstance(target, Target) and not _is_plain_upstream(function):
-        return f"target {target.key} is already replaced by another layer ({function!r})"
     try:
         found = fingerprint.of_object(function)
     except fingerprint.SourceUnavailable as error:
         return f"target {target.key} source unavailable: {error}"
-    if found not in target.fingerprints:
-        return (
-            f"target source changed: {target.key} has fingerprint {found}, "
-            f"verified: {', '.join(sorted(target.fingerprints))}"
-        )
-    return None
+    reason = _compare(target, found)
+    if reason is None and isinstance(target, Target) and not _is_plain_upstream(function):
+        return f"target {target.key} is already replaced by another layer ({function!r})"
+    return reason
+
+
+def check_unimported(target: Target | Anchor) -> str | None:
+    """Guard a target in a module not imported yet, from its file, importing nothing."""
+    try:
+        found = fingerprint.of_name(target.module, target.attr)
+    except fingerprint.SourceUnavailable as error:
+        return f"target {target.key} source unavailable: {error}"
+    return _compare(target, found)
+
+
+def check(target: Target | Anchor) -> str | None:
+    """Every source guard of one item; never imports a module that is not loaded."""
+    if target.module not in sys.modules:
+        return check_unimported(target)
+    resolved = resolve(target)
+    if isinstance(resolved, str):
+        return resolved
+    return check_source(target, resolved)
+
+
+def _compare(target: Target | Anchor, found: str) -> str | None:
+    if found in target.fingerprints:
+        return None
+    return (
+        f"target source changed: {target.key} has fingerprint {found}, "
+        f"verified: {', '.join(sorted(target.fingerprints))}"
+    )
 
 
 def _is_plain_upstream(function: Any) -> bool:
@@ -103,4 +130,7 @@ def _is_plain_upstream(function: Any) -> bool:
         return False
     module = sys.modules.get(getattr(function, "__module__", "") or "")
     source_file = getattr(module, "__file__", None)
-    return source_file is not None and os.path.samefile(code.co_filename, source_file)
+    try:
+        return source_file is not None and os.path.samefile(code.co_filename, source_file)
+    except OSError:  # a file is gone (e.g. an image shipping only .pyc): cannot tell
+        return False

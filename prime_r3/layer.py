@@ -229,7 +229,7 @@ def _outcome(spec: PatchSpec, status_: str, reason: str = "") -> Outcome:
 
 
 def _check(spec: PatchSpec, version: str | None) -> str | None:
-    """Every guard of the patch, importing what it must (status and tests)."""
+    """Every guard of the patch; modules not loaded yet are checked from their files."""
     reason = guards.check_version(spec, version)
     if reason:
         return reason
@@ -238,10 +238,10 @@ def _check(spec: PatchSpec, version: str | None) -> str | None:
 
 def _check_items(items: Sequence[Target | Anchor]) -> str | None:
     for item in items:
-        resolved = guards.resolve(item)
-        if isinstance(resolved, str):
-            return resolved
-        reason = guards.check_source(item, resolved)
+        try:
+            reason = guards.check(item)
+        except Exception as error:  # noqa: BLE001 - a guard that breaks means "skip"
+            reason = f"guard of {item.key} failed: {type(error).__name__}: {error}"
         if reason:
             return reason
     return None
@@ -251,9 +251,15 @@ def _waiting_reason(modules: Iterable[str] | None) -> str:
     return "waits for import of " + ", ".join(sorted(modules or ()))
 
 
-def _apply_spec(spec: PatchSpec, version: str | None, params: Mapping[str, Any], requested: bool):  # noqa: ANN202
-    """Install the targets whose modules are loaded; hook the rest to their import."""
-    reason = guards.check_version(spec, version)
+def _apply_spec(
+    spec: PatchSpec, version: str | None, params: Mapping[str, Any], requested: bool
+) -> Outcome:
+    """Check every guard now; install targets whose modules are loaded, hook the rest.
+
+    Targets of modules not loaded yet are verified from their files up front, so a
+    changed upstream skips the whole patch here, before any of its targets can run.
+    """
+    reason = _check(spec, version)
     if reason:
         return _outcome(spec, SKIPPED, reason)
     modules = list(dict.fromkeys(t.module for t in spec.targets))
@@ -298,15 +304,21 @@ def _on_import(
                 state.clear_pending(spec.name)
             logger.debug("prime_r3: %s installed on import of %s", spec.name, module)
             return
-        _uninstall(spec, state.active_wrappers(spec.name) or {})
-        state.forget(spec.name)
-    message = f"prime_r3: {spec.name} skipped on import of {module}: {reason}"
-    if requested:
-        raise PatchNotApplied(
-            Report(guards.installed_vllm_version(), (_outcome(spec, SKIPPED, reason),)),
-            [spec.name],
-        )
-    logger.warning("%s (its other targets were rolled back)", message)
+        kept = _uninstall(spec, state.active_wrappers(spec.name) or {})
+        if kept:  # another layer sits on ours: keep the record so revert can report it
+            state.clear_pending(spec.name)
+    # Never raise from an import hook: it would abort vLLM's import half-way and skip
+    # other patches' hooks on the same module. The guards already ran at apply() (from
+    # the files), so reaching here means the module changed between apply and import.
+    level = logging.ERROR if requested else logging.WARNING
+    logger.log(
+        level,
+        "prime_r3: %s skipped on import of %s: %s (%s)",
+        spec.name,
+        module,
+        reason,
+        kept or "its other targets were rolled back",
+    )
 
 
 def _install_units(

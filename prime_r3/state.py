@@ -1,8 +1,10 @@
 """Process-wide record of what prime_r3 replaced, kept here and never on vLLM's modules.
 
-Originals are saved first-write-wins (as gevent's ``monkey`` does): whatever was in
-place the first time prime_r3 touched an attribute is what ``revert`` restores,
-by identity, however often apply and revert alternate.
+Originals are saved when a target is wrapped, and the guards only ever let prime_r3
+wrap the plain upstream object (never its own wrapper, never another layer's), so a
+saved original is always upstream's: ``revert`` restores it by identity, however
+often apply and revert alternate. Saving at each install (not first-write-wins) keeps
+that true when a module is reloaded and its functions are new objects.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ def lock() -> threading.RLock:
     return _lock
 
 
-def save_original(key: str, obj: Any) -> Any:
-    """Remember ``obj`` as the original of ``key`` unless one is already saved."""
-    return _originals.setdefault(key, obj)
+def save_original(key: str, obj: Any) -> None:
+    """Remember ``obj``, the verified upstream object, as the original of ``key``."""
+    _originals[key] = obj
 
 
 def get_original(module: str, attr: str) -> Any:

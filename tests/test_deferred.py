@@ -103,8 +103,13 @@ def test_a_patch_spanning_two_lazy_modules_completes_on_the_second(lazy) -> None
 
 
 def test_guard_failing_at_import_rolls_back_the_other_targets(lazy, caplog) -> None:  # noqa: ANN001
-    lazy.setattr(layer, "registry", lambda: _registry(frozenset({"0" * 16}))[1:])
+    """The module changed between apply() (checked from its file) and its import."""
+    specs = _registry(frozenset({"0" * 16}))[1:]
+    lazy.setattr(layer, "registry", lambda: specs)
+    real_check = layer._check
+    lazy.setattr(layer, "_check", lambda spec, version: None)  # apply-time file check passes
     layer.apply()
+    lazy.setattr(layer, "_check", real_check)
     from tests import fake_lazy_consumer as consumer
 
     assert consumer.consume(1) == 11  # installed: its own module passed the guards
@@ -118,8 +123,61 @@ def test_guard_failing_at_import_rolls_back_the_other_targets(lazy, caplog) -> N
     assert layer.status().outcome("spanning").state == layer.SKIPPED
 
 
-def test_requested_patch_failing_at_import_raises_there(lazy) -> None:  # noqa: ANN001
+def test_requested_patch_with_changed_unimported_source_raises_at_apply(lazy) -> None:  # noqa: ANN001
     lazy.setattr(layer, "registry", lambda: _registry(frozenset({"0" * 16}))[:1])
-    layer.apply(["lazy"])
     with pytest.raises(prime_r3.PatchNotApplied, match="lazy: target source changed"):
-        import tests.fake_lazy_upstream  # noqa: F401
+        layer.apply(["lazy"])
+    assert LAZY not in sys.modules
+
+
+def test_revert_after_a_reimport_restores_the_new_modules_original(lazy) -> None:  # noqa: ANN001
+    lazy.setattr(layer, "registry", lambda: _registry()[:1])
+    from tests import fake_lazy_upstream as first
+
+    layer.apply()
+    layer.revert()
+    stale = first.step
+    _unimport()
+    from tests import fake_lazy_upstream as second
+
+    assert second is not first and second.step is not stale
+    fresh = second.step
+    layer.apply()
+    assert second.step(1) == 102
+    layer.revert()
+    assert second.step is fresh
+
+
+def test_status_imports_nothing_and_fires_no_hook(lazy) -> None:  # noqa: ANN001
+    lazy.setattr(layer, "registry", lambda: _registry())
+    assert layer.status().outcome("lazy").state == layer.WOULD_APPLY
+    assert LAZY not in sys.modules and CONSUMER not in sys.modules
+    layer.apply()
+    assert layer.status().outcome("lazy").state == layer.PENDING
+    assert LAZY not in sys.modules
+
+
+def test_changed_source_of_an_unimported_module_skips_at_apply(lazy) -> None:  # noqa: ANN001
+    lazy.setattr(layer, "registry", lambda: _registry(frozenset({"0" * 16})))
+    report = layer.apply()
+    for name in ("lazy", "spanning"):
+        outcome = report.outcome(name)
+        assert outcome.state == layer.SKIPPED
+        assert outcome.reason.startswith(f"target source changed: {LAZY}:step")
+    assert LAZY not in sys.modules
+    from tests import fake_lazy_consumer as consumer
+
+    assert not prime_r3.is_object_patched(consumer.consume)
+
+
+def test_missing_source_file_skips_instead_of_raising(lazy, tmp_path) -> None:  # noqa: ANN001
+    """An image that ships only .pyc: the guard cannot read the source, so it skips."""
+    from prime_r3 import fingerprint as fp
+
+    def no_source(module_name: str) -> str:
+        raise fp.SourceUnavailable(f"no source for module {module_name}")
+
+    lazy.setattr(layer, "registry", lambda: _registry()[:1])
+    lazy.setattr(fp, "file_source", no_source)
+    outcome = layer.apply().outcome("lazy")
+    assert outcome.state == layer.SKIPPED and "source unavailable" in outcome.reason

@@ -12,7 +12,7 @@ running with a configuration the user did not mean.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +50,7 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
-def parse_int_tuple(count: int, minimum: int = 0):  # noqa: ANN201 - returns a parser
+def parse_int_tuple(count: int, minimum: int = 0) -> Callable[[str], tuple[int, ...]]:
     def parse(text: str) -> tuple[int, ...]:
         parts = [p.strip() for p in text.split(",")]
         if len(parts) != count:
@@ -69,7 +69,7 @@ def parse_int_tuple(count: int, minimum: int = 0):  # noqa: ANN201 - returns a p
     return parse
 
 
-def parse_float_at_least(minimum: float):  # noqa: ANN201 - returns a parser
+def parse_float_at_least(minimum: float) -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
             value = float(text.strip())
@@ -155,7 +155,7 @@ def _reject_unknown_vars(registry: Sequence[PatchSpec], env: Mapping[str, str]) 
         param.env_var(spec.name) for spec in registry for param in spec.params
     }
     for var in sorted(env):
-        if var.startswith(PREFIX) and var not in known and not var.startswith("PRIME_R3_BENCH"):
+        if var.startswith(PREFIX) and var not in known:
             raise ConfigError(
                 f"{var} is not a prime_r3 setting (a typo would silently change nothing); "
                 f"known variables: {', '.join(sorted(known))}"

@@ -1,4 +1,4 @@
-"""Apply, revert and inspect the overlay: the only code that writes to vLLM's modules.
+"""Apply, revert and inspect the overlay: the only overlay code that writes to vLLM's modules.
 
 Every target is replaced by a ``wrapt.FunctionWrapper`` around the original, so
 ``__wrapped__`` always holds the upstream object. A patch with several targets is

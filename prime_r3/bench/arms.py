@@ -87,9 +87,10 @@ def _child(arm: Arm, cfg: BenchConfig, out: Any) -> None:
 def _settle_imports() -> None:
     """Import what a vLLM worker imports, and wait for the helper builds it spawns.
 
-    Importing ``vllm.v1.worker.gpu_worker`` (which prime_r3's engine_gc resolves) starts
+    Importing ``vllm.v1.worker.gpu_worker`` (where engine_gc's worker target lives) starts
     short-lived helper processes (kernel-launcher builds); an arm that imported it would
-    otherwise share the cores with them while it is measured. Every arm imports it.
+    share the cores with them while it is measured. Every arm imports it first and waits,
+    so all arms start equal and engine_gc's worker target is installed as in a worker.
     """
     import threading
 

@@ -8,6 +8,13 @@ as one contiguous rows array plus per-request token starts and row offsets. It p
 as three payloads (request ids, one int64 array, the rows) and answers the scheduler's
 ``in`` / ``[]`` lookups with real ``AuxRequestOutput`` values whose rows are views.
 
+Lookups: ``PackedAuxOutputs`` is a read-only ``dict``. It arrives empty, as an instance
+of a private subclass whose Python-level accessors fill it with every value on first
+use (one pass, cheaper than building values one lookup at a time) and then switch the
+object to ``PackedAuxOutputs`` itself, whose ``in`` and ``[]`` are dict's own C code:
+the scheduler's per-request lookups then cost what they cost on upstream's dict. The
+worker, which only pickles the object, never builds the values.
+
 Writability: after unpickling, the rows live in a buffer this object owns and can
 write (a read-only buffer, as plain ``bytes``, Ray or zmq hand over, is copied once
 per step), so every row view is writable, as upstream's rows are after vLLM's
@@ -19,27 +26,46 @@ from __future__ import annotations
 import operator
 import pickle
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
 
-__all__ = ["PackedAuxOutputs"]
+__all__ = ["PackedAuxOutputs", "StepRows"]
 
 _SEPARATOR = "\x00"
 _token_start = operator.attrgetter("token_start")
 _rows = operator.attrgetter("rows")
+_base = operator.attrgetter("base")
 _new = object.__new__
 
 
-class PackedAuxOutputs(Mapping[str, AuxRequestOutput]):
-    """Read-only ``request_id -> AuxRequestOutput`` mapping backed by one rows array.
+class StepRows(NamedTuple):
+    """Where a step's common-case output rows come from: the ``PendingAuxOutput`` fields.
 
-    Values are built on first access and cached, so repeated lookups (and attribute
-    updates such as Ray's zero-copy detach) see the same object, as with a dict.
+    ``_commit_output`` (an anchor of the patch) returns, for a request at batch position
+    ``j`` that emits from this step's capture, ``routed_experts[start:end - rejected]``
+    cut at the front, where ``start, end = query_start_loc[j], query_start_loc[j + 1]``
+    and ``rejected = num_rejected[j]``: a view of ``routed_experts`` ending at
+    ``end - rejected``. Its other rows are copies or the store's bytes, never such views.
     """
 
-    __slots__ = ("_ids", "_joined_ids", "_starts", "_offsets", "_rows", "_items", "_bounds")
+    routed_experts: np.ndarray
+    request_ids: Sequence[str]
+    query_start_loc: np.ndarray
+    num_rejected: np.ndarray
+
+
+class PackedAuxOutputs(dict[str, AuxRequestOutput]):
+    """Read-only ``request_id -> AuxRequestOutput`` dict backed by one rows array.
+
+    Values are built once, all together, on first access (see the module docstring),
+    so repeated lookups (and attribute updates such as Ray's zero-copy detach) see the
+    same object, as with upstream's dict.
+    """
+
+    __slots__ = ("_ids", "_joined_ids", "_starts", "_offsets", "_rows")
 
     def __init__(
         self,
@@ -63,6 +89,7 @@ class PackedAuxOutputs(Mapping[str, AuxRequestOutput]):
         if bounds[0] != 0 or bounds[-1] != len(rows) or np.any(np.diff(bounds) < 0):
             raise ValueError("offsets must rise from 0 to the number of rows")
         self._init(ids, None, starts, bounds, rows)
+        self._fill()
 
     def _init(
         self,
@@ -77,9 +104,6 @@ class PackedAuxOutputs(Mapping[str, AuxRequestOutput]):
         self._starts = starts
         self._offsets = offsets
         self._rows = rows
-        # Built on first lookup: id -> position, replaced by the value once built.
-        self._items: dict[str, int | AuxRequestOutput] | None = None
-        self._bounds: tuple[list[int], list[int]] = ([], [])
 
     @classmethod
     def _trusted(
@@ -90,13 +114,20 @@ class PackedAuxOutputs(Mapping[str, AuxRequestOutput]):
         offsets: np.ndarray,
         rows: np.ndarray,
     ) -> PackedAuxOutputs:
-        self = cls.__new__(cls)
+        """An unfilled instance: its values are built on first access."""
+        self = dict.__new__(_Unfilled)
         self._init(ids, joined_ids, starts, offsets, rows)
         return self
 
     @classmethod
-    def pack(cls, outputs: Mapping[str, AuxRequestOutput]) -> PackedAuxOutputs:
+    def pack(
+        cls, outputs: Mapping[str, AuxRequestOutput], step: StepRows | None = None
+    ) -> PackedAuxOutputs:
         """Copy one step's outputs into a single rows array, keeping dict order.
+
+        With ``step`` (the worker's ``PendingAuxOutput`` fields), a step whose rows are
+        all views of ``step.routed_experts`` is copied with one slice or gather from it
+        instead of concatenating one small array per request (see ``_gather_rows``).
 
         Raises ``TypeError`` / ``ValueError`` if the rows cannot share one array
         (different dtypes or per-token shapes, non-array rows, non-str ids); the
@@ -115,50 +146,56 @@ class PackedAuxOutputs(Mapping[str, AuxRequestOutput]):
         if type(first) is not np.ndarray or first.ndim == 0 or first.dtype.hasobject:
             raise TypeError(f"cannot pack rows of type {type(first).__name__}")
         starts = np.fromiter(map(_token_start, values), dtype=np.int64, count=n)
+        lengths = np.fromiter(map(len, rows_list), dtype=np.int64, count=n)
         offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(np.fromiter(map(len, rows_list), dtype=np.int64, count=n), out=offsets[1:])
-        # casting="no" refuses mixed dtypes; mismatched per-token shapes raise too.
-        rows = np.concatenate(rows_list, axis=0, dtype=first.dtype, casting="no")
+        np.cumsum(lengths, out=offsets[1:])
+        rows = None
+        if step is not None:
+            try:
+                rows = _gather_rows(step, ids, rows_list, lengths, offsets)
+            except (TypeError, ValueError, IndexError):
+                rows = None  # a step that does not look like StepRows says: concatenate
+        if rows is None:
+            # casting="no" refuses mixed dtypes; mismatched per-token shapes raise too.
+            rows = np.concatenate(rows_list, axis=0, dtype=first.dtype, casting="no")
         if joined.count(_SEPARATOR) != n - 1:
             joined = None  # an id contains the separator: pickle the id list instead
         return cls._trusted(ids, joined, starts, offsets, rows)
 
-    # -- Mapping -------------------------------------------------------------------
+    # -- filling -------------------------------------------------------------------
 
-    def _build_items(self) -> dict[str, int | AuxRequestOutput]:
-        ids = self._ids
-        items: dict[str, int | AuxRequestOutput] = dict(zip(ids, range(len(ids)), strict=True))
-        self._bounds = (self._starts.tolist(), self._offsets.tolist())
-        self._items = items
-        return items
+    def _fill(self) -> None:
+        """Build every value in one pass, then become a plain (C-speed) instance.
 
-    def __getitem__(self, request_id: str) -> AuxRequestOutput:
-        items = self._items
-        if items is None:
-            items = self._build_items()
-        entry = items[request_id]  # KeyError(request_id), as a dict raises
-        if type(entry) is not int:
-            return entry
-        starts, offsets = self._bounds
-        # AuxRequestOutput is a plain dataclass (an anchor of the patch): setting its
-        # two fields directly is what its __init__ does, at a third of the cost.
-        item = _new(AuxRequestOutput)
-        item.token_start = starts[entry]
-        item.rows = self._rows[offsets[entry] : offsets[entry + 1]]
-        items[request_id] = item
-        return item
+        ``AuxRequestOutput`` is a plain dataclass (an anchor of the patch): setting its
+        two fields directly is what its ``__init__`` does, at a third of the cost.
+        """
+        rows = self._rows
+        offsets = self._offsets
+        n = len(self._ids)
+        if int(offsets[-1]) == n and bool((offsets[1:] - offsets[:-1] == 1).all()):
+            # Decode step, one row each: numpy's iteration makes the views in C.
+            views = list(rows.reshape((n, 1, *rows.shape[1:])))
+        else:
+            bounds = offsets.tolist()
+            views = list(map(rows.__getitem__, map(slice, bounds, bounds[1:])))
+        values = []
+        append = values.append
+        for token_start, view in zip(self._starts.tolist(), views, strict=True):
+            item = _new(AuxRequestOutput)
+            item.token_start = token_start
+            item.rows = view
+            append(item)
+        dict.update(self, zip(self._ids, values, strict=True))
+        self.__class__ = PackedAuxOutputs
 
-    def __contains__(self, request_id: object) -> bool:
-        items = self._items
-        if items is None:
-            items = self._build_items()
-        return request_id in items
+    # -- read-only -----------------------------------------------------------------
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._ids)
+    def _read_only(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError(f"{type(self).__name__} is read-only")
 
-    def __len__(self) -> int:
-        return len(self._ids)
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    clear = pop = popitem = setdefault = update = _read_only
 
     def __repr__(self) -> str:
         return (
@@ -189,7 +226,7 @@ class PackedAuxOutputs(Mapping[str, AuxRequestOutput]):
         With protocol 5 the rows go as a ``PickleBuffer``, so vLLM's MessageQueue
         sends a large step out of band without copying it into the pickle stream.
         """
-        ids: str | tuple[str, ...] = self._joined_ids
+        ids: str | tuple[str, ...] | None = self._joined_ids
         if ids is None:
             ids = tuple(self._ids)
         ints = np.concatenate((self._starts, self._offsets)).tobytes()
@@ -199,6 +236,113 @@ class PackedAuxOutputs(Mapping[str, AuxRequestOutput]):
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return self.__reduce_ex__(2)
+
+
+def _filled(name: str) -> Any:
+    """A dict accessor for ``_Unfilled`` that fills the object, then calls the real one."""
+
+    def accessor(self: PackedAuxOutputs, *args: Any, **kwargs: Any) -> Any:
+        self._fill()
+        return getattr(self, name)(*args, **kwargs)
+
+    accessor.__name__ = accessor.__qualname__ = name
+    return accessor
+
+
+class _Unfilled(PackedAuxOutputs):
+    """A ``PackedAuxOutputs`` whose dict is still empty (see the module docstring).
+
+    Every read of the dict goes through ``_fill`` first, which makes the object a plain
+    ``PackedAuxOutputs``; only ``len`` and iteration answer from the packed ids alone.
+    """
+
+    __slots__ = ()
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ids)
+
+
+for _name in (
+    "__contains__",
+    "__getitem__",
+    "__reversed__",
+    "__eq__",
+    "__ne__",
+    "__or__",
+    "__ror__",
+    "get",
+    "keys",
+    "values",
+    "items",
+    "copy",
+):
+    setattr(_Unfilled, _name, _filled(_name))
+del _name
+
+
+def _gather_rows(
+    step: StepRows,
+    ids: list[str],
+    rows_list: list[Any],
+    lengths: np.ndarray,
+    offsets: np.ndarray,
+) -> np.ndarray | None:
+    """The step's rows copied out of ``step.routed_experts``, or None to concatenate.
+
+    Only when every row is a view of ``routed_experts`` (``row.base is routed_experts``:
+    numpy points every slice, and slice of a slice, of an array at it, or at its owner
+    if it owns its data) may the gather stand in for the concatenate: by ``StepRows``,
+    such a row is the ``len(row)`` rows of ``routed_experts`` that end at its request's
+    ``end - rejected``. The positions are checked to lie inside the request's scheduled
+    range, and request order to follow the batch order ``_commit_output`` inserts in.
+    """
+    source = step.routed_experts
+    if (
+        type(source) is not np.ndarray
+        or source.ndim == 0
+        or not source.flags.c_contiguous
+        or source[:0].base is not source  # rows' base would be another array
+    ):
+        return None
+    first = rows_list[0]
+    if first.dtype != source.dtype or first.shape[1:] != source.shape[1:]:
+        return None
+    try:
+        if not all(map(partial(operator.is_, source), map(_base, rows_list))):
+            return None  # rows from the store or the buffer: the exception
+    except AttributeError:
+        return None
+    request_ids = list(step.request_ids)
+    query_start_loc = np.asarray(step.query_start_loc, dtype=np.int64)
+    num_rejected = np.asarray(step.num_rejected, dtype=np.int64)
+    batch = len(request_ids)
+    if query_start_loc.shape != (batch + 1,) or num_rejected.shape != (batch,):
+        return None
+    begins = query_start_loc[:-1]
+    ends = query_start_loc[1:] - num_rejected
+    if ids != request_ids:  # not every request emitted: find each one's batch position
+        index = dict(zip(request_ids, range(batch), strict=True))
+        try:
+            position = np.fromiter(map(index.__getitem__, ids), dtype=np.int64, count=len(ids))
+        except KeyError:
+            return None
+        if len(position) > 1 and not bool((position[1:] > position[:-1]).all()):
+            return None
+        begins = begins[position]
+        ends = ends[position]
+    froms = ends - lengths
+    if not (bool((froms >= begins).all()) and bool((begins >= 0).all())):
+        return None
+    if not bool((ends <= len(source)).all()):
+        return None
+    if bool((froms[1:] == ends[:-1]).all()):  # one contiguous run, e.g. a decode step
+        return source[int(froms[0]) : int(ends[-1])].copy()
+    index_rows = np.repeat(froms - offsets[:-1], lengths)
+    index_rows += np.arange(int(offsets[-1]), dtype=np.int64)
+    return source.take(index_rows, axis=0)
 
 
 def _rebuild(

@@ -7,11 +7,13 @@ Each step is what ``AuxOutputWorkerConnector._commit_output`` returns: one
 (46 MoE layers x top-8, uint8). Two mixes: ``decode`` (one row per request) and
 ``prefill`` (an 8192-token step: a quarter of the requests carry prefill chunks).
 
-transport  = pack (packed arm only, worker main thread) + pickle + unpickle, using
+transport  = pack (packed arm only, worker main thread, given the step's
+             ``StepRows`` as the patched ``process_output`` gives it) + pickle + unpickle, using
              MessageQueue's pickler (protocol 5, out-of-band buffers >= 1 MiB,
              received into bytearrays as ``dequeue`` does)
 full path  = transport + one real ``AuxOutputSchedulerConnector.take_output`` per
-             request, as the scheduler calls it
+             request, as the scheduler calls it (packed: the first lookup builds
+             every value, so take_output includes that)
 mq x-proc  = the real vLLM ``MessageQueue``: enqueue in this process, dequeue (and
              take_output) in a forked reader process, one step at a time
 
@@ -45,7 +47,7 @@ from vllm.distributed.aux_output_connector.connector import (  # noqa: E402
 from vllm.distributed.device_communicators import shm_broadcast  # noqa: E402
 from vllm.distributed.device_communicators.shm_broadcast import MessageQueue  # noqa: E402
 
-from prime_r3.packed import PackedAuxOutputs  # noqa: E402
+from prime_r3.packed import PackedAuxOutputs, StepRows  # noqa: E402
 
 SHAPE = (46, 8)
 PREFILL_BUDGET = 8192
@@ -67,7 +69,7 @@ class FakeRequest:
 
 def make_step(
     n: int, mix: str, rng: np.random.Generator
-) -> tuple[dict[str, AuxRequestOutput], list[FakeRequest]]:
+) -> tuple[dict[str, AuxRequestOutput], list[FakeRequest], StepRows]:
     lengths = np.ones(n, dtype=np.int64)
     if mix == "prefill":
         chunked = rng.choice(n, size=max(1, n // 4), replace=False)
@@ -89,7 +91,10 @@ def make_step(
         outputs[request_id] = AuxRequestOutput(token_start, snapshot[start : start + length])
         requests.append(FakeRequest(request_id, token_start + length + 1))
         start += length
-    return outputs, requests
+    # What the patched process_output hands pack: the step's PendingAuxOutput fields.
+    query_start_loc = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+    step = StepRows(snapshot, list(outputs), query_start_loc, np.zeros(n, dtype=np.int64))
+    return outputs, requests, step
 
 
 def mq_dumps(obj: Any) -> list[Any]:
@@ -138,7 +143,9 @@ def _sum(res: Samples, *keys: str) -> list[float]:
     return [sum(values) for values in zip(*(res[k] for k in keys), strict=True)]
 
 
-def fresh_step(n: int, mix: str, seed: int) -> tuple[dict[str, AuxRequestOutput], list[Any]]:
+def fresh_step(
+    n: int, mix: str, seed: int
+) -> tuple[dict[str, AuxRequestOutput], list[Any], StepRows]:
     """Build a step right before timing it, as _commit_output does before the send.
 
     Each arm gets its own identical copy, so neither runs on objects the other arm's
@@ -152,7 +159,7 @@ def bench_inprocess(n: int, mix: str, steps: int, seed: int) -> Samples:
     take = AuxOutputSchedulerConnector().take_output
     res: Samples = {k: [] for k in ("d_tr", "p_build", "p_tr", "d_take", "p_take")}
     for step in range(steps):
-        outputs, requests = fresh_step(n, mix, seed + step)
+        outputs, requests, _ = fresh_step(n, mix, seed + step)
         gc.disable()
         t0 = time.perf_counter()
         received = mq_loads(mq_dumps(outputs))
@@ -160,10 +167,10 @@ def bench_inprocess(n: int, mix: str, steps: int, seed: int) -> Samples:
         d_rows = take_all(received, requests, take)
         t2 = time.perf_counter()
         gc.enable()
-        outputs, requests = fresh_step(n, mix, seed + step)
+        outputs, requests, rows = fresh_step(n, mix, seed + step)
         gc.disable()
         t3 = time.perf_counter()
-        packed = PackedAuxOutputs.pack(outputs)
+        packed = PackedAuxOutputs.pack(outputs, rows)
         t4 = time.perf_counter()
         received_p = mq_loads(mq_dumps(packed))
         t5 = time.perf_counter()
@@ -219,10 +226,12 @@ def bench_message_queue(
                 }
                 for step in range(steps):
                     for arm in ("d", "p"):
-                        outputs, requests = fresh_step(n, mix, seed + step)
+                        outputs, requests, rows = fresh_step(n, mix, seed + step)
                         gc.disable()
                         t0 = time.perf_counter()
-                        queue.enqueue(outputs if arm == "d" else PackedAuxOutputs.pack(outputs))
+                        queue.enqueue(
+                            outputs if arm == "d" else PackedAuxOutputs.pack(outputs, rows)
+                        )
                         enq = time.perf_counter() - t0
                         gc.enable()
                         # Sent after enqueue, so the reader's dequeue does not include

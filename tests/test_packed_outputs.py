@@ -296,7 +296,7 @@ def _mq_reader(handle: Any, conn: Any) -> None:
         upstream, packed = queue.dequeue(), queue.dequeue()
         conn.send(
             (
-                type(packed).__name__,
+                isinstance(packed, PackedAuxOutputs),  # unfilled until the first lookup
                 [outcome(r, upstream) for r in requests],
                 [outcome(r, packed) for r in requests],
                 [(writable(r, upstream), writable(r, packed)) for r in requests],
@@ -321,8 +321,8 @@ def test_message_queue_round_trip_between_processes(max_chunk_bytes: int) -> Non
             queue.enqueue(PackedAuxOutputs.pack(outputs))
             conn.send(requests)
             assert conn.poll(60), "reader process did not answer"
-            kind, upstream, packed, flags = conn.recv()
-            assert kind == "PackedAuxOutputs"
+            is_packed, upstream, packed, flags = conn.recv()
+            assert is_packed
             assert packed == upstream
             assert packed == [outcome(r, outputs) for r in requests]
             assert all(ours for theirs, ours in flags if theirs), "lost writability"
@@ -451,3 +451,152 @@ def test_packed_rows_do_not_alias_the_step_snapshot() -> None:
     snapshot[:] = 0
     assert kept.tolist() == [[6, 7, 8], [9, 10, 11], [12, 13, 14]]
     assert not np.shares_memory(packed.rows, snapshot)
+
+
+def test_worker_steps_take_both_the_gather_and_the_concatenate(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """The real worker steps reach every pack path, each agreeing with upstream above."""
+    from prime_r3 import packed as packed_module
+
+    paths: list[str] = []
+    gather = packed_module._gather_rows
+
+    def recording(step: Any, *args: Any) -> Any:
+        rows = gather(step, *args)
+        paths.append("concatenate" if rows is None else "gather")
+        return rows
+
+    reverted.setattr(packed_module, "_gather_rows", recording)
+    upstream = _run_worker_steps(seed=5)
+    report = prime_r3.apply(["packed_outputs"], log=False)
+    assert report.outcome("packed_outputs").state == "applied", report.summary()
+    patched = _run_worker_steps(seed=5)
+    prime_r3.revert(["packed_outputs"])
+    # 0: one prefill; 1: B and C from the store; 2: A's rejected tail leaves a gap;
+    # 3: B emits nothing (a subsequence of the batch); 4: B read back from the buffer.
+    assert paths == ["gather", "concatenate", "gather", "gather", "concatenate"]
+    for (theirs, requests), (ours, _) in zip(upstream, patched, strict=True):
+        assert_parity(theirs, ours, requests)
+        concatenated = PackedAuxOutputs.pack(theirs)
+        assert np.array_equal(ours.rows, concatenated.rows)
+        assert np.array_equal(ours.offsets, concatenated.offsets)
+
+
+def _commit_like_step(
+    rng: np.random.Generator, batch: int, source_kind: str
+) -> tuple[dict[str, AuxRequestOutput], Any, list[Req]]:
+    """A step shaped as _commit_output returns it, from a numpy or a torch-backed snapshot.
+
+    Requests in batch order emit ``routed_experts[start:end - rejected][cut:]`` (some
+    emit nothing); optionally a few materialized copies follow, as upstream appends them.
+    """
+    import torch
+
+    from prime_r3.packed import StepRows
+
+    sizes = np.where(rng.random(batch) < 0.7, 1, rng.integers(2, 30, size=batch))
+    query_start_loc = np.concatenate(([0], np.cumsum(sizes))).astype(np.int32)
+    rejected = np.where(rng.random(batch) < 0.2, rng.integers(0, sizes + 1), 0)
+    snapshot = rng.integers(0, 256, size=(int(sizes.sum()), 46, 8), dtype=np.uint8)
+    if source_kind == "torch":
+        snapshot = torch.from_numpy(snapshot).clone().numpy()  # base: a Tensor, as D2H
+    request_ids = [f"r{j}" for j in range(batch)]
+    outputs: dict[str, AuxRequestOutput] = {}
+    for j, request_id in enumerate(request_ids):
+        if rng.random() < 0.15:
+            continue  # no sampled token this step
+        start, end = int(query_start_loc[j]), int(query_start_loc[j + 1])
+        rows = snapshot[start : end - int(rejected[j])]
+        cut = int(rng.integers(0, len(rows) + 1)) if rng.random() < 0.3 else 0
+        outputs[request_id] = AuxRequestOutput(np.int32(100 * j + cut), rows[cut:])
+    if source_kind == "mixed":
+        for j in rng.choice(batch, size=3, replace=False).tolist():
+            outputs.pop(request_ids[j], None)
+            outputs[request_ids[j]] = AuxRequestOutput(7, snapshot[:2].copy())
+    step = StepRows(snapshot, request_ids, query_start_loc, rejected)
+    requests = [Req(rid, int(out.token_start) + 1 + len(out.rows)) for rid, out in outputs.items()]
+    return outputs, step, requests
+
+
+@pytest.mark.parametrize("source_kind", ["numpy", "torch", "mixed"])
+@pytest.mark.parametrize("seed", range(6))
+def test_gather_agrees_with_concatenate(seed: int, source_kind: str) -> None:
+    from prime_r3 import packed as packed_module
+
+    rng = np.random.default_rng(seed)
+    outputs, step, requests = _commit_like_step(rng, int(rng.integers(1, 300)), source_kind)
+    reference = PackedAuxOutputs.pack(outputs)
+    rows_list = [output.rows for output in outputs.values()]
+    lengths = np.diff(reference.offsets)
+    gathered = packed_module._gather_rows(
+        step, list(outputs), rows_list, lengths, reference.offsets
+    )
+    assert (gathered is None) == (source_kind == "mixed")  # copies: concatenate instead
+    ours = PackedAuxOutputs.pack(outputs, step)
+    for name in ("rows", "offsets", "token_starts"):
+        assert np.array_equal(getattr(ours, name), getattr(reference, name))
+    assert ours.rows.flags.owndata and not np.shares_memory(ours.rows, step.routed_experts)
+    assert_parity(outputs, ours, requests)
+    assert_parity(outputs, pickle.loads(pickle.dumps(ours, protocol=5)), requests)
+
+
+def test_gather_refuses_rows_it_cannot_place() -> None:
+    """Views it cannot vouch for, or a step that does not fit, fall back to concatenate."""
+    from prime_r3 import packed as packed_module
+    from prime_r3.packed import StepRows
+
+    source = np.arange(10 * 3, dtype=np.uint8).reshape(10, 3).copy()  # owns its data
+    qsl, none_rejected = np.array([0, 4, 10]), np.zeros(2, dtype=np.int64)
+    fits = {"a": AuxRequestOutput(0, source[2:4]), "b": AuxRequestOutput(4, source[4:10])}
+    cases = {
+        "fits": (fits, StepRows(source, ["a", "b"], qsl, none_rejected)),
+        "other array": (fits, StepRows(source.copy(), ["a", "b"], qsl, none_rejected)),
+        "a view": (fits, StepRows(source[:], ["a", "b"], qsl, none_rejected)),
+        "out of order": (
+            {"b": fits["b"], "a": fits["a"]},
+            StepRows(source, ["a", "b"], qsl, none_rejected),
+        ),
+        "unknown id": (fits, StepRows(source, ["a", "c"], qsl, none_rejected)),
+        "too long": (
+            {"a": AuxRequestOutput(0, source[0:4]), "b": fits["b"]},
+            StepRows(source, ["a", "b"], qsl, np.array([1, 0])),
+        ),
+        "bad shapes": (fits, StepRows(source, ["a", "b"], qsl[:2], none_rejected)),
+        "not an array": (fits, StepRows(source.tolist(), ["a", "b"], qsl, none_rejected)),
+    }
+    for name, (outputs, step) in cases.items():
+        reference = PackedAuxOutputs.pack(outputs)
+        rows_list = [output.rows for output in outputs.values()]
+        lengths, offsets = np.diff(reference.offsets), reference.offsets
+        try:
+            direct = packed_module._gather_rows(step, list(outputs), rows_list, lengths, offsets)
+        except (TypeError, ValueError, IndexError):
+            direct = None  # pack catches these and concatenates
+        assert (direct is not None) == (name == "fits"), name
+        gathered = PackedAuxOutputs.pack(outputs, step)
+        assert np.array_equal(gathered.rows, reference.rows), name
+        assert_parity(
+            outputs, gathered, [Req(r, 5) for r in outputs] + [Req(r, 9) for r in outputs]
+        )
+
+
+def test_values_are_built_once_then_lookups_are_dict_lookups() -> None:
+    outputs, requests = make_step(np.random.default_rng(3), 100)
+    for packed in (
+        PackedAuxOutputs.pack(outputs),
+        pickle.loads(pickle.dumps(PackedAuxOutputs.pack(outputs), protocol=5)),
+    ):
+        assert type(packed) is not PackedAuxOutputs and isinstance(packed, PackedAuxOutputs)
+        assert len(packed) == 100 and list(packed) == list(outputs)  # no fill needed
+        assert dict.__len__(packed) == 0
+        assert next(iter(outputs)) in packed  # the first read fills every value
+        assert type(packed) is PackedAuxOutputs and dict.__len__(packed) == 100
+        assert type(packed).__contains__ is dict.__contains__
+        assert type(packed).__getitem__ is dict.__getitem__
+        assert_parity(outputs, packed, requests)
+        assert dict(packed).keys() == outputs.keys()
+        with pytest.raises(TypeError):
+            packed.update({})
+        with pytest.raises(TypeError):
+            del packed[next(iter(outputs))]

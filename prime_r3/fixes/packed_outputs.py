@@ -5,11 +5,15 @@ vLLM (0.31-0.33) returns ``dict[request_id, AuxRequestOutput]`` from
 ``ModelRunnerOutput.aux_output_connector_output`` and the MessageQueue pickles one
 array per running request, which EngineCore then rebuilds one object at a time.
 We wrap ``process_output`` and pack its dict into one rows array (see
-``prime_r3.packed``). Every consumer keeps working unchanged:
+``prime_r3.packed``). The wrapper also hands pack the step's ``PendingAuxOutput``
+fields (``StepRows``): rows that are views of the step's snapshot are then copied with
+one slice or gather from it rather than concatenated one small array at a time. Every
+consumer keeps working unchanged:
 
 * ``AuxOutputSchedulerConnector.take_output`` (EngineCore) uses ``in`` and ``[]`` and
-  reads ``token_start`` / ``rows``: the packed mapping returns real, cached
-  ``AuxRequestOutput`` values. It is an anchor: if it changes, the patch skips.
+  reads ``token_start`` / ``rows``: ``PackedAuxOutputs`` is a read-only dict, filled
+  with real ``AuxRequestOutput`` values on first lookup, after which ``in`` and ``[]``
+  are dict's own. It is an anchor: if it changes, the patch skips.
 * Ray's ``detach_zero_copy_from_model_runner_output`` (0.31, 0.32) iterates
   ``values()`` and reassigns ``rows``: values are cached, so the assignment sticks,
   and unpickled rows are already writable and private, so it copies nothing.
@@ -35,7 +39,7 @@ _CONNECTOR = "vllm.distributed.aux_output_connector.connector"
 
 
 def _pack_step_output(params: Mapping[str, Any]) -> WrapperFn:
-    from prime_r3.packed import PackedAuxOutputs  # imports vLLM: only when applying
+    from prime_r3.packed import PackedAuxOutputs, StepRows  # imports vLLM: only when applying
 
     warned = False
 
@@ -45,7 +49,7 @@ def _pack_step_output(params: Mapping[str, Any]) -> WrapperFn:
         if type(outputs) is not dict:
             return outputs
         try:
-            return PackedAuxOutputs.pack(outputs)
+            return PackedAuxOutputs.pack(outputs, _step_rows(args, kwargs, StepRows))
         except (TypeError, ValueError) as error:
             if not warned:
                 warned = True
@@ -53,6 +57,24 @@ def _pack_step_output(params: Mapping[str, Any]) -> WrapperFn:
             return outputs
 
     return pack_step_output
+
+
+def _step_rows(args: tuple[Any, ...], kwargs: Mapping[str, Any], step_rows: Any) -> Any:
+    """The ``PendingAuxOutput`` fields pack gathers the step's rows from, or None.
+
+    Its common-case rows are views of ``pending.routed_experts`` (see ``StepRows``);
+    without them pack concatenates row by row, as it does for any other step.
+    """
+    pending = args[0] if args else kwargs.get("pending")
+    try:
+        return step_rows(
+            pending.routed_experts,
+            pending.request_ids,
+            pending.query_start_loc,
+            pending.num_rejected,
+        )
+    except AttributeError:
+        return None
 
 
 # Verified source fingerprints (scripts/fingerprint.py) for vLLM 0.31.0, 0.32.0, 0.33.0.
@@ -75,6 +97,7 @@ SPEC = PatchSpec(
     anchors=(
         # The producer: one dtype and per-token shape per step; rows are views of the
         # step's fresh snapshot, buffer.read copies or the store's bytes (read-only).
+        # A snapshot view ends at query_start_loc[j + 1] - num_rejected[j] (StepRows).
         Anchor(_WORKER, "AuxOutputWorkerConnector._commit_output", _COMMIT_OUTPUT),
         # The EngineCore consumer: only `in`, `[]`, `.token_start` and `.rows`.
         Anchor(_CONNECTOR, "AuxOutputSchedulerConnector.take_output", _TAKE_OUTPUT),

@@ -20,8 +20,11 @@ consumer keeps working unchanged:
 * Uniproc executor: nothing is pickled; the packed rows are a fresh copy per step,
   so nothing handed downstream aliases the worker's step snapshot or reused buffers.
 
-A step whose outputs cannot share one array (never seen: every row of a step comes
-from the same capture buffer) is passed on as upstream's dict.
+A step whose outputs cannot share one array (never seen: all rows of a step share the
+capturer's dtype and per-token shape, whether they are views of the step snapshot,
+``buffer.read`` copies or arrays over the store's bytes) is passed on as upstream's dict.
+Ray's detach (``ray_utils.detach_zero_copy_from_model_runner_output``) is not an anchor:
+it is gone in 0.33; it was checked by hand in 0.31 and 0.32, and a test runs it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ logger = logging.getLogger("vllm.prime_r3")
 
 _WORKER = "vllm.distributed.aux_output_connector.worker"
 _CONNECTOR = "vllm.distributed.aux_output_connector.connector"
+_ROUTED_EXPERTS = "vllm.distributed.aux_output_connector.routed_experts"
 
 
 def _pack_step_output(params: Mapping[str, Any]) -> WrapperFn:
@@ -82,6 +86,9 @@ _PROCESS_OUTPUT = frozenset({"06ee5fa311ada6e3"})
 _COMMIT_OUTPUT = frozenset({"29bd5bec6708d002"})
 _TAKE_OUTPUT = frozenset({"08dfe701debdb1e5"})
 _AUX_REQUEST_OUTPUT = frozenset({"c86fdd3be04a8c32"})
+_PENDING_AUX_OUTPUT = frozenset({"41701d3db6f69d56"})
+_BUFFER_READ = frozenset({"cb98f753b1c45077"})
+_MATERIALIZE = frozenset({"467c3027a566df14"})
 
 SPEC = PatchSpec(
     name="packed_outputs",
@@ -103,5 +110,11 @@ SPEC = PatchSpec(
         Anchor(_CONNECTOR, "AuxOutputSchedulerConnector.take_output", _TAKE_OUTPUT),
         # We build these positionally as (token_start, rows).
         Anchor(_CONNECTOR, "AuxRequestOutput", _AUX_REQUEST_OUTPUT),
+        # StepRows reads these fields of the step snapshot.
+        Anchor(_WORKER, "PendingAuxOutput", _PENDING_AUX_OUTPUT),
+        # The gather relies on non-snapshot rows never being views of the snapshot:
+        # buffer.read copies, and the store path returns arrays over stored bytes.
+        Anchor(_ROUTED_EXPERTS, "RoutedExpertsBuffer.read", _BUFFER_READ),
+        Anchor(_ROUTED_EXPERTS, "materialize_routed_experts", _MATERIALIZE),
     ),
 )

@@ -130,13 +130,8 @@ def apply(
                 outcomes.append(_outcome(spec, DISABLED, f"{config.ENABLE_VAR}=0"))
             elif spec.name not in selected:
                 outcomes.append(_outcome(spec, DISABLED, f"not selected by {config.PATCHES_VAR}"))
-            elif state.active_wrappers(spec.name) is not None:
-                waiting = state.pending_modules(spec.name)
-                outcomes.append(
-                    _outcome(spec, PENDING, _waiting_reason(waiting))
-                    if waiting
-                    else _outcome(spec, ALREADY)
-                )
+            elif (in_force := _in_force(spec, ALREADY)) is not None:
+                outcomes.append(in_force)
             else:
                 params = settings.params[spec.name]
                 outcomes.append(_apply_spec(spec, version, params, spec.name in requested))
@@ -178,13 +173,8 @@ def status(environ: Mapping[str, str] | None = None) -> Report:
     version = guards.installed_vllm_version()
     outcomes = []
     for spec in specs:
-        if state.active_wrappers(spec.name) is not None:
-            waiting = state.pending_modules(spec.name)
-            outcomes.append(
-                _outcome(spec, PENDING, _waiting_reason(waiting))
-                if waiting
-                else _outcome(spec, APPLIED)
-            )
+        if (in_force := _in_force(spec, APPLIED)) is not None:
+            outcomes.append(in_force)
         elif not settings.enabled:
             outcomes.append(_outcome(spec, DISABLED, f"{config.ENABLE_VAR}=0"))
         elif spec.name not in settings.selected:
@@ -245,6 +235,16 @@ def _check_items(items: Sequence[Target | Anchor]) -> str | None:
         if reason:
             return reason
     return None
+
+
+def _in_force(spec: PatchSpec, installed: str) -> Outcome | None:
+    """The outcome of a patch already in force here (fully, or pending import), else None."""
+    if state.active_wrappers(spec.name) is None:
+        return None
+    waiting = state.pending_modules(spec.name)
+    if waiting:
+        return _outcome(spec, PENDING, _waiting_reason(waiting))
+    return _outcome(spec, installed)
 
 
 def _waiting_reason(modules: Iterable[str] | None) -> str:

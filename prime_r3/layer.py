@@ -266,11 +266,9 @@ def _apply_spec(
     ready = [m for m in modules if m in sys.modules]
     waiting = [m for m in modules if m not in sys.modules]
     if ready:
-        reason = _install_units(spec, ready, params)
+        reason = _install_units(spec, ready, params)  # guards already ran just above
         if reason:
             return _outcome(spec, SKIPPED, reason)
-    else:
-        state.add_wrappers(spec.name, {})
     if not waiting:
         return _outcome(spec, APPLIED)
     token = object()
@@ -295,7 +293,11 @@ def _on_import(
         if waiting is None or module not in waiting:
             return  # reverted, or re-applied since this hook was registered
         try:
-            reason = _install_units(spec, [module], params)
+            # The live objects are guarded again: another layer may have replaced one
+            # since apply() checked the file.
+            reason = _check_items(_unit_items(spec, [module])) or _install_units(
+                spec, [module], params
+            )
         except Exception as error:  # noqa: BLE001 - never break vLLM's import
             reason = f"{type(error).__name__}: {error}"
         if reason is None:
@@ -321,20 +323,24 @@ def _on_import(
     )
 
 
-def _install_units(
-    spec: PatchSpec, modules: Sequence[str], params: Mapping[str, Any]
-) -> str | None:
-    """Check, then replace every target in ``modules`` or none; return a reason on failure.
+def _unit_items(spec: PatchSpec, modules: Sequence[str]) -> tuple[Target | Anchor, ...]:
+    """What to guard before installing the targets in ``modules``.
 
-    Anchors in those modules are checked with them; anchors in modules holding no
-    target (e.g. the consumer of a producer we patch) are checked with every unit.
+    Anchors in those modules go with them; anchors in modules holding no target (e.g.
+    the consumer of a producer we patch) go with every unit.
     """
     target_modules = {t.module for t in spec.targets}
     targets = [t for t in spec.targets if t.module in modules]
     anchors = [a for a in spec.anchors if a.module in modules or a.module not in target_modules]
-    reason = _check_items((*targets, *anchors))
-    if reason:
-        return reason
+    return (*targets, *anchors)
+
+
+def _install_units(
+    spec: PatchSpec, modules: Sequence[str], params: Mapping[str, Any]
+) -> str | None:
+    """Replace every target in ``modules`` or none (guarded by the caller); return a
+    reason on failure."""
+    targets = [t for t in spec.targets if t.module in modules]
     done: list[tuple[Any, str, Any]] = []
     wrappers: dict[str, Any] = {}
     try:

@@ -15,6 +15,7 @@ import importlib.util
 import inspect
 import sys
 import textwrap
+from collections.abc import Callable
 from functools import lru_cache
 
 DIGEST_CHARS = 16
@@ -63,15 +64,18 @@ def of_object(obj: object) -> str:
     return of_source(module_source(module_name), qualname)
 
 
-def of_name(module_name: str, qualname: str) -> str:
+def of_name(module_name: str, qualname: str, read: Callable[[str], str] | None = None) -> str:
     """Fingerprint what ``module_name.qualname`` names, reading files, importing nothing.
 
     Follows ``from x import y`` at module level, so a function looked up in the module
     that imports it gets the fingerprint of its definition, as :func:`of_object` gives
-    once the module is imported. Only parent packages are imported (by ``find_spec``).
+    once the module is imported. ``read`` maps a module name to its source (default:
+    the installed file, located by ``find_spec``, which imports parent packages only);
+    ``scripts/fingerprint.py`` passes one that reads an unpacked wheel.
     """
+    read = read or file_source
     for _ in range(8):  # import chains are short; stop on a cycle
-        source = file_source(module_name)
+        source = read(module_name)
         try:
             return of_source(source, qualname)
         except SourceUnavailable:

@@ -13,45 +13,41 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+from collections.abc import Callable
 
 from prime_r3 import fingerprint
 from prime_r3.patches import REGISTRY
 
 
-def _defined_in(module: str, attr: str) -> tuple[str, str]:
-    """Module and qualname where the looked-up object is defined (installed vLLM)."""
-    import importlib
+def _wheel_reader(root: str) -> Callable[[str], str]:
+    """Read a module's source from a directory holding an unpacked ``vllm/`` tree."""
 
-    owner = importlib.import_module(module)
-    obj = owner
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    obj = getattr(obj, "__wrapped__", obj)
-    return obj.__module__, obj.__qualname__
+    def read(module_name: str) -> str:
+        base = pathlib.Path(root, *module_name.split("."))
+        for path in (base.with_suffix(".py"), base / "__init__.py"):
+            if path.is_file():
+                return path.read_text()
+        raise fingerprint.SourceUnavailable(f"no {module_name} under {root}")
+
+    return read
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", action="append", default=[], help="dir containing vllm/")
     args = parser.parse_args(argv)
+    sources: list[tuple[str, Callable[[str], str] | None]] = [
+        (root, _wheel_reader(root)) for root in args.root
+    ] or [("installed", None)]
     for spec in REGISTRY:
         for item in (*spec.targets, *spec.anchors):
-            module, qualname = _defined_in(item.module, item.attr)
             found = []
-            if not args.root:
-                found.append(
-                    (
-                        "installed",
-                        fingerprint.of_source(fingerprint.module_source(module), qualname),
-                    )
-                )
-            for root in args.root:
-                path = pathlib.Path(root, *module.split(".")).with_suffix(".py")
+            for where, read in sources:
                 try:
-                    digest = fingerprint.of_source(path.read_text(), qualname)
-                except (OSError, fingerprint.SourceUnavailable) as error:
+                    digest = fingerprint.of_name(item.module, item.attr, read)
+                except fingerprint.SourceUnavailable as error:
                     digest = f"unavailable ({error})"
-                found.append((root, digest))
+                found.append((where, digest))
             known = "verified" if all(d in item.fingerprints for _, d in found) else "NEW"
             for where, digest in found:
                 print(f"{spec.name:16} {item.key:70} {digest}  {where}  [{known}]")

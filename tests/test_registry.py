@@ -59,3 +59,18 @@ def test_store_patches_skip_on_0_33_as_fixed_upstream(monkeypatch) -> None:  # n
             assert o.reason == "vllm 0.33.0 has this fix upstream (fixed upstream in 0.33)"
         else:  # engine_gc and packed_outputs are still needed on 0.33
             assert o.state == layer.WOULD_APPLY, o
+
+
+def test_fingerprint_script_reads_a_source_tree_like_the_installed_vllm(capsys) -> None:  # noqa: ANN001
+    """scripts/fingerprint.py --root on the installed tree, read as files: all verified."""
+    import pathlib
+    import runpy
+
+    import vllm
+
+    script = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "scripts/fingerprint.py"))
+    root = str(pathlib.Path(vllm.__file__).parents[1])
+    assert script["main"](["--root", root]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    items = sum(len(s.targets) + len(s.anchors) for s in REGISTRY)
+    assert len(lines) == items and all(line.endswith("[verified]") for line in lines), lines

@@ -33,13 +33,12 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from prime_r3.fixes.aux_output import CONNECTOR_MODULE as _CONNECTOR
+from prime_r3.fixes.aux_output import ROUTED_EXPERTS_MODULE as _ROUTED_EXPERTS
+from prime_r3.fixes.aux_output import WORKER_MODULE as _WORKER
 from prime_r3.spec import Anchor, PatchSpec, Process, Target, WrapperFn
 
 logger = logging.getLogger("vllm.prime_r3")
-
-_WORKER = "vllm.distributed.aux_output_connector.worker"
-_CONNECTOR = "vllm.distributed.aux_output_connector.connector"
-_ROUTED_EXPERTS = "vllm.distributed.aux_output_connector.routed_experts"
 
 
 def _pack_step_output(params: Mapping[str, Any]) -> WrapperFn:

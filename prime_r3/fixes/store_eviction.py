@@ -38,15 +38,12 @@ from collections.abc import Mapping
 from itertools import takewhile
 from typing import Any
 
-from prime_r3.spec import Anchor, PatchSpec, Process, Target, WrapperFn
+from prime_r3.fixes.aux_output import BLOCK_OBJECT_STORE, STORE_MODULE
+from prime_r3.spec import PatchSpec, Process, Target, WrapperFn
 
-STORE_MODULE = "vllm.distributed.aux_output_connector.store"
-
-# Verified source fingerprints (scripts/fingerprint.py); store.py is byte-identical in
-# vLLM 0.31.0 and 0.32.0. The whole class is anchored: the rotation relies on how
-# put, _retain, _release and _evict_to_fit use _lru and _references together.
+# Verified source fingerprint (scripts/fingerprint.py); store.py is byte-identical in
+# vLLM 0.31.0 and 0.32.0. The whole class is anchored too (see fixes/aux_output.py).
 EVICT_TO_FIT = frozenset({"f4e1e98c82cada46"})
-BLOCK_OBJECT_STORE = frozenset({"0655595744a153a8"})
 
 
 def rotate_referenced(store: Any, protected: set[str] | frozenset[str]) -> int:
@@ -99,7 +96,7 @@ SPEC = PatchSpec(
     fixed_upstream_in="0.33",
     processes=frozenset({Process.WORKER}),
     targets=(Target(STORE_MODULE, "BlockObjectStore._evict_to_fit", EVICT_TO_FIT, _evict_to_fit),),
-    anchors=(Anchor(STORE_MODULE, "BlockObjectStore", BLOCK_OBJECT_STORE),),
+    anchors=(BLOCK_OBJECT_STORE,),
     notes=(
         "Victims identical to upstream. vLLM 0.33 keeps referenced keys out of the LRU "
         "(_retain pops them, _evict_to_fit scans only unreferenced keys)."

@@ -35,17 +35,15 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from prime_r3.spec import Anchor, PatchSpec, Process, Target, WrapperFn
+from prime_r3.fixes.aux_output import BLOCK_OBJECT_STORE, STORE_MODULE
+from prime_r3.spec import PatchSpec, Process, Target, WrapperFn
 
 logger = logging.getLogger("vllm.prime_r3")
 
-STORE_MODULE = "vllm.distributed.aux_output_connector.store"
-
-# Verified source fingerprints (scripts/fingerprint.py); store.py is byte-identical in
-# vLLM 0.31.0 and 0.32.0. The class is anchored: the retry relies on _retain,
-# _release and _evict_to_fit exactly as they are.
+# Verified source fingerprint (scripts/fingerprint.py); store.py is byte-identical in
+# vLLM 0.31.0 and 0.32.0. The class is anchored too: the retry relies on _retain,
+# _release and _evict_to_fit exactly as they are (see fixes/aux_output.py).
 PUT = frozenset({"0e9f9d631d2c0d61"})
-BLOCK_OBJECT_STORE = frozenset({"0655595744a153a8"})
 
 
 def grown_capacity(store: Any, needed: int) -> int:
@@ -123,7 +121,7 @@ SPEC = PatchSpec(
     fixed_upstream_in="0.33",
     processes=frozenset({Process.WORKER}),
     targets=(Target(STORE_MODULE, "BlockObjectStore.put", PUT, _put),),
-    anchors=(Anchor(STORE_MODULE, "BlockObjectStore", BLOCK_OBJECT_STORE),),
+    anchors=(BLOCK_OBJECT_STORE,),
     notes=(
         "vLLM 0.33 grows to max(needed, 2x) with a new anonymous mmap instead of raising "
         "(after evicting what it can); we grow without evicting, see module docstring."

@@ -33,12 +33,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from prime_r3.config import parse_float_at_least
+from prime_r3.fixes.aux_output import STORE_MODULE, WORKER_MODULE
 from prime_r3.spec import Param, PatchSpec, Process, Target, WrapperFn
 
 logger = logging.getLogger("vllm.prime_r3")
-
-STORE_MODULE = "vllm.distributed.aux_output_connector.store"
-WORKER_MODULE = "vllm.distributed.aux_output_connector.worker"
 
 DEFAULT_FACTOR = 2.0
 

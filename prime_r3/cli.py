@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     from prime_r3.bench.command import add_arguments
 
     bench = sub.add_parser(
-        "bench", help="CPU engine-step simulator: R3 cost and row parity, with/without prime_r3"
+        "bench",
+        help="CPU engine-step simulator: R3 cost and row parity, with/without prime_r3",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_arguments(bench)
     bench.set_defaults(func=_bench)

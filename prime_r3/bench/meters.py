@@ -60,6 +60,9 @@ class StoreMeter:
         background = getattr(connector, "_store", None) if connector is not None else None
         self.store = getattr(background, "_store", None)
         self.evictions = 0
+        #: Keys whose last reference was dropped (in 0.33 also when the KV cache evicts
+        #: the block: the scheduler connector sends its hashes as released).
+        self.released = 0
         self.peak_size = 0
         self.peak_referenced = 0
         if self.store is None:
@@ -76,6 +79,14 @@ class StoreMeter:
                 self.peak_referenced = max(self.peak_referenced, len(store._references))
 
         store._evict_to_fit = counting_evict
+        inner_release = self.store._release
+
+        def counting_release(*args: Any, **kwargs: Any) -> Any:
+            terminal = inner_release(*args, **kwargs)
+            self.released += len(terminal)
+            return terminal
+
+        store._release = counting_release
 
     @property
     def slots(self) -> int:

@@ -174,10 +174,10 @@ def test_missing_source_file_skips_instead_of_raising(lazy, tmp_path) -> None:  
     """An image that ships only .pyc: the guard cannot read the source, so it skips."""
     from prime_r3 import fingerprint as fp
 
-    def no_source(module_name: str) -> str:
+    def no_source(module_name: str) -> fp.ModuleText:
         raise fp.SourceUnavailable(f"no source for module {module_name}")
 
     lazy.setattr(layer, "registry", lambda: _registry()[:1])
-    lazy.setattr(fp, "file_source", no_source)
+    lazy.setattr(fp, "read_installed", no_source)
     outcome = layer.apply().outcome("lazy")
     assert outcome.state == layer.SKIPPED and "source unavailable" in outcome.reason

@@ -143,9 +143,9 @@ def locate(module_name: str, qualname: str, read: Reader | None = None) -> Defin
 def read_installed(module_name: str) -> ModuleText:
     """Text of an installed module from its file, without importing the module itself."""
     module = sys.modules.get(module_name)
-    if module is not None:
+    if module is not None:  # through module_source, the one reader of imported modules
         path = _source_file(module_name)
-        return ModuleText(_read(module_name, path), path, hasattr(module, "__path__"))
+        return ModuleText(module_source(module_name), path, hasattr(module, "__path__"))
     try:
         spec = importlib.util.find_spec(module_name)
     except (ImportError, ValueError) as error:

@@ -226,9 +226,7 @@ def _check(spec: PatchSpec, version: str | None) -> str | None:
     return _check_items((*spec.targets, *spec.anchors))
 
 
-def _check_items(
-    items: Sequence[Target | Anchor], from_files: Iterable[str] = ()
-) -> str | None:
+def _check_items(items: Sequence[Target | Anchor], from_files: Iterable[str] = ()) -> str | None:
     """Guard ``items``; those in ``from_files`` are checked from their files only.
 
     An import hook passes the modules still awaited: one may be in ``sys.modules``

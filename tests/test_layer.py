@@ -357,3 +357,20 @@ def test_target_replaced_by_another_layer_skips_the_patch(
         reason
     )
     assert cls.__dict__["process_output"] is theirs
+
+
+def test_another_layer_over_an_upstream_decorated_anchor_skips(reverted) -> None:  # noqa: ANN001
+    """lifespan carries one contextlib layer of its own; a second one is another layer's."""
+    import importlib
+
+    server_utils = importlib.import_module("vllm.entrypoints.launchers.utils.server_utils")
+    original = server_utils.lifespan
+    reverted.setattr(server_utils, "lifespan", fake_layers.with_functools_wraps(original))
+    with pytest.raises(prime_r3.PatchNotApplied) as raised:
+        layer.apply(["engine_gc"])
+    reason = raised.value.report.outcome("engine_gc").reason
+    key = "vllm.entrypoints.launchers.utils.server_utils:lifespan"
+    assert reason.startswith(f"anchor {key} is not upstream's plain object"), reason
+    assert "2 wrapper(s) over lifespan, its decorators add 1" in reason
+    reverted.setattr(server_utils, "lifespan", original)
+    assert layer.apply(["engine_gc"]).outcome("engine_gc").state == layer.APPLIED

@@ -122,7 +122,11 @@ def check_unimported(target: Target | Anchor) -> str | None:
 
 
 def check(target: Target | Anchor) -> str | None:
-    """Every source guard of one item; never imports a module that is not loaded."""
+    """Every source guard of one item; never imports a module that is not loaded.
+
+    A loaded module's live object is checked (source and plainness); an unloaded
+    one's source from its file.
+    """
     if target.module not in sys.modules:
         return check_unimported(target)
     resolved = resolve(target)
@@ -191,7 +195,7 @@ def _not_plain_function(
 def _peel(obj: Any, ours_ok: bool) -> tuple[Any, list[Any]]:
     """The innermost object under ``obj`` and the wrapper layers above it, outermost first."""
     layers: list[Any] = []
-    while True:
+    while len(layers) < 64:  # a __wrapped__ cycle ends here, as too many layers
         if ours_ok and state.is_object_patched(obj):
             obj = obj.__wrapped__
         elif type(obj) in (staticmethod, classmethod):  # both have __wrapped__ since 3.10
@@ -200,7 +204,8 @@ def _peel(obj: Any, ours_ok: bool) -> tuple[Any, list[Any]]:
             layers.append(obj)
             obj = obj.__wrapped__
         else:
-            return obj, layers
+            break
+    return obj, layers
 
 
 def _foreign_layer(

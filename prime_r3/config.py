@@ -3,6 +3,8 @@
 ``PRIME_R3``          on/off for the whole overlay (default on).
 ``PRIME_R3_PATCHES``  ``all`` (default), a comma list of names, ``-name`` to drop one.
 ``PRIME_R3_<PATCH>_<PARAM>``  per-patch parameters declared in the registry.
+``PRIME_R3_PYTHON``   read by ``scripts/ensure_env.sh`` only (known, so exporting it is
+                      not mistaken for a typo, but it changes nothing in the overlay).
 
 Anything malformed raises :class:`ConfigError` naming the variable, the bad value and
 the valid choices. The plugin lets it propagate, so vLLM refuses to start instead of
@@ -22,12 +24,35 @@ ENABLE_VAR = "PRIME_R3"
 PATCHES_VAR = "PRIME_R3_PATCHES"
 PREFIX = "PRIME_R3_"
 
+#: Variables read by the setup scripts, not by the overlay. Known so that exporting one
+#: (as ``scripts/ensure_env.sh`` invites) does not fail every process as an unknown setting.
+SETUP_VARS: Mapping[str, str] = {
+    "PRIME_R3_PYTHON": "interpreter scripts/ensure_env.sh creates the environments with",
+}
+
+#: Largest value ``gc.set_threshold`` accepts: its arguments are C ``int``s, so anything
+#: above raises ``OverflowError`` (in EngineCore's init, after the model loaded).
+C_INT_MAX = 2**31 - 1
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
 class ConfigError(ValueError):
     """A prime_r3 environment variable has a value we refuse to guess about."""
+
+
+@dataclass(frozen=True)
+class SettingValue:
+    """One variable as parsed: what the overlay uses and where it came from."""
+
+    var: str
+    #: The parsed value in force (for a setup variable: the raw text, or None).
+    value: Any
+    default: Any
+    #: True if the environment set it (a blank value counts as unset, i.e. default).
+    from_env: bool
+    help: str
 
 
 @dataclass(frozen=True)
@@ -39,6 +64,8 @@ class Settings:
     requested: frozenset[str]
     #: Parsed parameters per patch name.
     params: Mapping[str, Mapping[str, Any]]
+    #: Every known variable with its value and source, for ``prime-r3 status``.
+    values: tuple[SettingValue, ...] = ()
 
 
 def parse_bool(text: str) -> bool:
@@ -50,7 +77,15 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
-def parse_int_tuple(count: int, minimum: int = 0) -> Callable[[str], tuple[int, ...]]:
+def parse_int_tuple(
+    count: int, minimum: int = 0, maximum: int = C_INT_MAX
+) -> Callable[[str], tuple[int, ...]]:
+    """``count`` comma-separated integers, each in ``minimum..maximum``.
+
+    The range is checked here, when the environment is parsed, so a value the consumer
+    would reject later (``gc.set_threshold`` takes C ints) fails before vLLM starts.
+    """
+
     def parse(text: str) -> tuple[int, ...]:
         parts = [p.strip() for p in text.split(",")]
         if len(parts) != count:
@@ -61,8 +96,8 @@ def parse_int_tuple(count: int, minimum: int = 0) -> Callable[[str], tuple[int, 
                 value = int(part.replace("_", ""))
             except ValueError:
                 raise ValueError(f"{part!r} is not an integer") from None
-            if value < minimum:
-                raise ValueError(f"{value} is below the minimum {minimum}")
+            if not minimum <= value <= maximum:
+                raise ValueError(f"{value} is outside the valid range {minimum}..{maximum}")
             values.append(value)
         return tuple(values)
 
@@ -97,10 +132,29 @@ def from_env(registry: Sequence[PatchSpec], environ: Mapping[str, str] | None = 
                 f"{ENABLE_VAR}={raw_enable!r} is not valid; use one of {', '.join(_TRUE + _FALSE)}"
             ) from None
 
-    selected, requested = _parse_selection(env.get(PATCHES_VAR), names)
+    raw_patches = env.get(PATCHES_VAR)
+    selected, requested = _parse_selection(raw_patches, names)
     params = {spec.name: _parse_params(spec, env) for spec in registry}
     _reject_unknown_vars(registry, env)
-    return Settings(enabled, selected, requested, params)
+
+    def given(var: str) -> bool:
+        raw = env.get(var)
+        return raw is not None and raw.strip() != ""
+
+    values = [
+        SettingValue(ENABLE_VAR, enabled, True, given(ENABLE_VAR), "whole overlay on/off"),
+        SettingValue(
+            PATCHES_VAR, ",".join(selected), "all", given(PATCHES_VAR), "patches selected"
+        ),
+    ]
+    for spec in registry:
+        for param in spec.params:
+            var = param.env_var(spec.name)
+            value = params[spec.name][param.name]
+            values.append(SettingValue(var, value, param.default, given(var), param.help))
+    for var, help_ in SETUP_VARS.items():
+        values.append(SettingValue(var, env.get(var), None, given(var), help_))
+    return Settings(enabled, selected, requested, params, tuple(values))
 
 
 def _parse_selection(raw: str | None, names: list[str]) -> tuple[tuple[str, ...], frozenset[str]]:
@@ -151,7 +205,7 @@ def _parse_params(spec: PatchSpec, env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _reject_unknown_vars(registry: Sequence[PatchSpec], env: Mapping[str, str]) -> None:
-    known = {ENABLE_VAR, PATCHES_VAR} | {
+    known = {ENABLE_VAR, PATCHES_VAR, *SETUP_VARS} | {
         param.env_var(spec.name) for spec in registry for param in spec.params
     }
     for var in sorted(env):

@@ -71,13 +71,73 @@ def test_param_default_and_override() -> None:
     assert s.params["engine_gc"]["thresholds"] == (1000, 5, 7)
 
 
-@pytest.mark.parametrize("value", ["1,2", "a,b,c", "1,2,-3", "1,2,3,4"])
+@pytest.mark.parametrize("value", ["1,2", "a,b,c", "1,2,-3", "1,2,3,4", "99999999999,1,1"])
 def test_malformed_param_names_variable_value_and_expectation(value: str) -> None:
     with pytest.raises(config.ConfigError) as info:
         settings(PRIME_R3_ENGINE_GC_THRESHOLDS=value)
     message = str(info.value)
     assert f"PRIME_R3_ENGINE_GC_THRESHOLDS={value!r}" in message
-    assert "three non-negative integers" in message
+    assert "three integers in 0..2147483647" in message
+
+
+def test_gc_threshold_range_is_exactly_what_gc_set_threshold_accepts() -> None:
+    """The limit is gc.set_threshold's own (C int), checked against the interpreter."""
+    import gc
+
+    saved = gc.get_threshold()
+    try:
+        gc.set_threshold(config.C_INT_MAX, 1, 1)  # the largest value we accept works
+        with pytest.raises(OverflowError):
+            gc.set_threshold(config.C_INT_MAX + 1, 1, 1)  # one more is what upstream rejects
+    finally:
+        gc.set_threshold(*saved)
+    top = f"{config.C_INT_MAX},{config.C_INT_MAX},0"
+    assert settings(PRIME_R3_ENGINE_GC_THRESHOLDS=top).params["engine_gc"]["thresholds"] == (
+        config.C_INT_MAX,
+        config.C_INT_MAX,
+        0,
+    )
+    for i in range(3):
+        parts = ["1", "1", "1"]
+        parts[i] = str(config.C_INT_MAX + 1)
+        with pytest.raises(config.ConfigError, match="outside the valid range 0..2147483647"):
+            settings(PRIME_R3_ENGINE_GC_THRESHOLDS=",".join(parts))
+
+
+def test_setup_script_variable_is_known_but_changes_nothing() -> None:
+    """scripts/ensure_env.sh reads PRIME_R3_PYTHON: exporting it must not break the overlay."""
+    plain = settings()
+    with_python = settings(PRIME_R3_PYTHON="/usr/bin/python3.11")
+    assert with_python.selected == plain.selected and with_python.params == plain.params
+    shown = {v.var: v for v in with_python.values}
+    assert shown["PRIME_R3_PYTHON"].value == "/usr/bin/python3.11"
+    assert shown["PRIME_R3_PYTHON"].from_env
+    assert "PRIME_R3_PYTHON" in config.SETUP_VARS
+
+
+def test_setup_script_reads_the_variables_config_knows() -> None:
+    """Every PRIME_R3_* variable the setup script reads is known to config."""
+    import pathlib
+    import re
+
+    script = pathlib.Path(__file__).parents[1] / "scripts" / "ensure_env.sh"
+    read = set(re.findall(r"\b(PRIME_R3_[A-Z0-9_]+)", script.read_text()))
+    assert read, "ensure_env.sh reads no PRIME_R3_ variable any more: update SETUP_VARS"
+    assert read <= set(config.SETUP_VARS)
+
+
+def test_values_report_every_setting_with_its_source() -> None:
+    s = settings(PRIME_R3_ENGINE_GC_THRESHOLDS="1,2,3", PRIME_R3_ENGINE_GC_API_SERVER=" ")
+    shown = {v.var: v for v in s.values}
+    params = {p.env_var(spec.name) for spec in REGISTRY for p in spec.params}
+    assert set(shown) == {"PRIME_R3", "PRIME_R3_PATCHES", *params, *config.SETUP_VARS}
+    assert shown["PRIME_R3_ENGINE_GC_THRESHOLDS"].value == (1, 2, 3)
+    assert shown["PRIME_R3_ENGINE_GC_THRESHOLDS"].from_env
+    assert shown["PRIME_R3_ENGINE_GC_THRESHOLDS"].default == (50_000, 20, 100)
+    assert shown["PRIME_R3_ENGINE_GC_API_SERVER"].value is False
+    assert not shown["PRIME_R3_ENGINE_GC_API_SERVER"].from_env  # blank means default
+    assert shown["PRIME_R3"].value is True and not shown["PRIME_R3"].from_env
+    assert shown["PRIME_R3_PATCHES"].value == ",".join(NAMES)
 
 
 def test_unknown_prime_r3_variable_is_an_error() -> None:

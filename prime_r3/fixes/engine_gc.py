@@ -19,7 +19,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from prime_r3.config import parse_bool, parse_int_tuple
+from prime_r3.config import C_INT_MAX, parse_bool, parse_int_tuple
 from prime_r3.spec import Anchor, Param, PatchSpec, Process, Target, WrapperFn
 
 logger = logging.getLogger("vllm.prime_r3")
@@ -117,9 +117,9 @@ SPEC = PatchSpec(
         Param(
             "thresholds",
             DEFAULT_THRESHOLDS,
-            parse_int_tuple(3, minimum=0),
+            parse_int_tuple(3, minimum=0, maximum=C_INT_MAX),
             "gc.set_threshold() values for EngineCore and workers",
-            "three non-negative integers, e.g. 50000,20,100",
+            f"three integers in 0..{C_INT_MAX} (gc.set_threshold takes C ints), e.g. 50000,20,100",
         ),
         Param(
             "api_server",

@@ -16,9 +16,12 @@ def _plain(value: Any) -> Any:
 
 
 def _status(args: argparse.Namespace) -> int:
-    report = layer.status()
+    # The environment the plugin would take its settings from here (a Ray worker node
+    # of a remote head: the head's).
+    environ, note = config.settings_environ()
+    report = layer.status(environ)
     # Parsed the same way apply() parses them (status() above already raised if bad).
-    settings = config.from_env(layer.registry()).values
+    settings = config.from_env(layer.registry(), environ).values
     if args.json:
         data = json.loads(report.to_json())
         data["settings"] = [
@@ -43,7 +46,7 @@ def _status(args: argparse.Namespace) -> int:
             layer.DISABLED: f"disabled by env: {o.reason}",
         }.get(o.state, o.state)
         print(f"  {o.name:16} vllm{o.vllm_range:14} [{', '.join(o.processes)}]  {state}")
-    print("settings:")
+    print("settings:" + (f" ({note})" if note else ""))
     for s in settings:
         shown = "unset" if s.value is None else _show(s.value)
         source = "from env" if s.from_env else "default"

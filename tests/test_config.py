@@ -153,3 +153,84 @@ def test_parsers() -> None:
     for bad in ("0.5", "nan", "inf", "x"):
         with pytest.raises(ValueError):
             parse(bad)
+
+
+# -- the head's settings for Ray workers ----------------------------------------------
+
+
+def _carrier(machine: str, **env: str) -> str:
+    import json
+
+    return json.dumps({"machine": machine, "env": env})
+
+
+def test_export_appends_prime_r3_to_vllms_extra_prefixes_once() -> None:
+    env = {"VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY": "MYLIB_, OTHER_"}
+    config.export_for_ray_workers({"PRIME_R3_PATCHES": "engine_gc", "PRIME_R3_PYTHON": "/p"}, env)
+    assert env["VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"] == "MYLIB_, OTHER_,PRIME_R3"
+    config.export_for_ray_workers({}, env)
+    assert env["VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"] == "MYLIB_, OTHER_,PRIME_R3"
+    empty: dict[str, str] = {}
+    config.export_for_ray_workers({}, empty)
+    assert empty["VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"] == "PRIME_R3"
+
+
+def test_export_records_this_machine_and_only_overlay_settings() -> None:
+    import json
+
+    env: dict[str, str] = {}
+    config.export_for_ray_workers(
+        {"PRIME_R3": "1", "PRIME_R3_PATCHES": "engine_gc", "PRIME_R3_PYTHON": "/p", "HOME": "/"},
+        env,
+    )
+    carrier = json.loads(env[config.HEAD_VAR])
+    assert carrier == {
+        "machine": config.machine_id(),
+        "env": {"PRIME_R3": "1", "PRIME_R3_PATCHES": "engine_gc"},
+    }
+
+
+def test_remote_heads_settings_replace_the_nodes_own(caplog: pytest.LogCaptureFixture) -> None:
+    env = {
+        config.HEAD_VAR: _carrier("head-machine", PRIME_R3_ENGINE_GC_THRESHOLDS="4,5,6"),
+        "PRIME_R3_ENGINE_GC_THRESHOLDS": "1,1,1",
+        "PRIME_R3_PATCHES": "-engine_gc",  # the node's own, not set on the head: dropped
+        "PRIME_R3_PYTHON": "/node/python",  # setup variable: the node's stays
+        "HOME": "/home/node",
+    }
+    merged, note = config.settings_environ(env)
+    assert merged == {
+        config.HEAD_VAR: env[config.HEAD_VAR],
+        "PRIME_R3_ENGINE_GC_THRESHOLDS": "4,5,6",
+        "PRIME_R3_PYTHON": "/node/python",
+        "HOME": "/home/node",
+    }
+    assert "PRIME_R3_ENGINE_GC_THRESHOLDS='1,1,1' -> '4,5,6'" in note
+    assert "PRIME_R3_PATCHES='-engine_gc' -> None" in note
+    s = config.from_env(REGISTRY, merged)
+    assert s.params["engine_gc"]["thresholds"] == (4, 5, 6) and list(s.selected) == NAMES
+    # Its own children keep the head's record (the whole tree agrees).
+    before = env[config.HEAD_VAR]
+    config.export_for_ray_workers(merged, env)
+    assert env[config.HEAD_VAR] == before
+    assert config.settings_environ(env)[0]["PRIME_R3_ENGINE_GC_THRESHOLDS"] == "4,5,6"
+
+
+def test_same_machine_keeps_its_own_settings() -> None:
+    env = {
+        config.HEAD_VAR: _carrier(config.machine_id(), PRIME_R3_ENGINE_GC_THRESHOLDS="4,5,6"),
+        "PRIME_R3_ENGINE_GC_THRESHOLDS": "1,1,1",
+    }
+    merged, note = config.settings_environ(env)
+    assert merged is env and note == ""
+
+
+@pytest.mark.parametrize("raw", ["{", '{"env": {}}', '{"machine": 1, "env": {}}', "[1]"])
+def test_malformed_head_record_names_the_variable(raw: str) -> None:
+    with pytest.raises(config.ConfigError) as info:
+        config.settings_environ({config.HEAD_VAR: raw})
+    assert str(info.value).startswith(f"{config.HEAD_VAR}={raw!r} is not valid")
+
+
+def test_head_record_is_a_known_variable() -> None:
+    settings(PRIME_R3_FROM_HEAD=_carrier("m"))

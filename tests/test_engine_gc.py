@@ -156,9 +156,7 @@ class _LightWorker:
         import torch
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-        spec = FullAttentionSpec(
-            block_size=16, num_kv_heads=2, head_size=16, dtype=torch.bfloat16
-        )
+        spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
         return {f"model.layers.{i}.self_attn.attn": spec for i in range(2)}
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
@@ -224,6 +222,9 @@ def engine_env(gc_probe, tmp_path):  # noqa: ANN001, ANN201
     from vllm.engine.arg_utils import EngineArgs
 
     monkeypatch, calls = gc_probe
+    # The plugin exports these for Ray workers: put them back as they were after the test.
+    monkeypatch.delenv("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", raising=False)
+    monkeypatch.delenv("PRIME_R3_FROM_HEAD", raising=False)
     monkeypatch.setenv("PRIME_R3", "0")  # building the config loads plugins: not yet
     vllm_config = EngineArgs(
         model=_model_dir(tmp_path),

@@ -200,7 +200,7 @@ def _legacy_executor_source() -> str | None:
     from prime_r3 import fingerprint
 
     try:
-        return fingerprint.file_source("vllm.v1.executor.ray_executor")
+        return fingerprint.read_installed("vllm.v1.executor.ray_executor").source
     except fingerprint.SourceUnavailable:
         return None
 
@@ -228,7 +228,7 @@ def test_ray_v2_worker_on_another_node_runs_the_heads_settings(head) -> None:  #
     from prime_r3 import fingerprint
 
     init = fingerprint.segment(
-        fingerprint.file_source("vllm.v1.executor.ray_executor_v2"),
+        fingerprint.read_installed("vllm.v1.executor.ray_executor_v2").source,
         "RayWorkerProc.initialize_worker",
     )
     assert "os.environ.setdefault(key, value)" in init  # how every release applies it

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,7 +13,16 @@ import prime_r3
 from prime_r3 import config, layer
 from prime_r3.fixes import store_eviction, store_growth
 from prime_r3.patches import REGISTRY
-from tests.store_harness import store_mod, upstream_store
+from tests.store_harness import (
+    EXPLICIT_MAX_BYTES,
+    Built,
+    Scenario,
+    build_on_tp_ranks,
+    fixed_upstream_reason,
+    store_fixed_upstream,
+    store_mod,
+    upstream_store,
+)
 
 STORE_PATCHES = ["store_eviction", "store_headroom", "store_growth"]
 LOGGER = "vllm.prime_r3"
@@ -190,83 +198,144 @@ def test_growth_undoes_references_exactly() -> None:
     assert store._references == before
 
 
-# -- store_headroom ------------------------------------------------------------------
+# -- store_headroom, on the real connector on real TP ranks ----------------------------
+
+HEADROOM = ("store_headroom",)
+SCENARIOS = [
+    Scenario("upstream"),
+    Scenario("upstream_no_max_bytes", aux="no_max_bytes"),
+    Scenario("upstream_explicit", aux="explicit"),
+    Scenario("upstream_7_blocks", num_blocks=7),
+    Scenario("upstream_overflow", overflow=True),
+    Scenario("headroom", HEADROOM),
+    Scenario("headroom_no_max_bytes", HEADROOM, aux="no_max_bytes"),
+    Scenario("headroom_explicit", HEADROOM, aux="explicit"),
+    Scenario(
+        "headroom_factor_1.5",
+        HEADROOM,
+        env=(("PRIME_R3_STORE_HEADROOM_FACTOR", "1.5"),),
+        num_blocks=7,
+    ),
+    Scenario("all_overflow", tuple(STORE_PATCHES), overflow=True),
+]
+OUTPUT_RANK, OTHER_RANK = 0, 1
 
 
-class _FakeCapturer:
-    shape_per_token = (4, 2)
-    output_dtype_name = "uint8"
-
-    def __init__(self, **kwargs: Any) -> None:
-        pass
-
-
-@pytest.fixture
-def connector_factory(reverted: pytest.MonkeyPatch):  # noqa: ANN201
-    """Build the real AuxOutputWorkerConnector on CPU, with the GPU pieces stubbed."""
-    from vllm.config.aux_output import AuxOutputConfig
-    from vllm.distributed.aux_output_connector import worker
-
-    reverted.setattr(worker, "RoutedExpertsCapturer", _FakeCapturer)
-    reverted.setattr(worker, "bind_routed_experts_capturer", lambda model, capturer: None)
-    reverted.setattr(worker, "get_tp_group", lambda: SimpleNamespace(is_first_rank=True))
-    reverted.setattr(worker, "resolve_kv_cache_block_sizes", lambda kv, cfg: (32, 16))
-    reverted.setattr(worker, "RoutedExpertsBuffer", lambda *args: object())
-    built = []
-
-    def build(max_bytes: int | None = None, num_blocks: int = 10) -> Any:
-        vllm_config = SimpleNamespace(
-            scheduler_config=SimpleNamespace(max_num_batched_tokens=64, max_num_seqs=4),
-            max_concurrent_batches=1,
-            aux_output_config=AuxOutputConfig(max_bytes=max_bytes),
-        )
-        connector = worker.get_aux_output_connector(
-            None, vllm_config, SimpleNamespace(num_blocks=num_blocks)
-        )
-        built.append(connector)
-        return connector._store._store
-
-    yield reverted, build
-    for connector in built:
-        connector.close()
+@pytest.fixture(scope="module")
+def tp_ranks() -> dict[tuple[str, int], Built]:
+    """Every scenario, built once on each rank of a real TP=2 world (about a minute)."""
+    built = build_on_tp_ranks(SCENARIOS)
+    assert set(built) == {(s.name, r) for s in SCENARIOS for r in (OUTPUT_RANK, OTHER_RANK)}
+    for (_, rank), result in built.items():
+        # vLLM's own parallel state decides the output rank: TP rank 0 only.
+        assert result.is_first_rank == (rank == OUTPUT_RANK)
+    return built
 
 
-def test_headroom_doubles_the_kv_derived_store(
-    connector_factory: Any, caplog: pytest.LogCaptureFixture
+def _expect_patches(result: Built, names: tuple[str, ...]) -> bool:
+    """Per release: applied on 0.31/0.32, skipped as fixed upstream on 0.33. True if applied."""
+    if store_fixed_upstream():
+        assert result.applied == ()
+        assert dict(result.skipped) == {n: fixed_upstream_reason() for n in names}
+        return False
+    assert result.applied == names and result.skipped == ()
+    return True
+
+
+@pytest.mark.parametrize("aux", ["", "_no_max_bytes", "_explicit"])
+@pytest.mark.parametrize("rank", [OUTPUT_RANK, OTHER_RANK])
+def test_headroom_reads_and_raises_what_upstream_does_on_every_rank(
+    tp_ranks: dict[tuple[str, int], Built], rank: int, aux: str
 ) -> None:
-    _, build = connector_factory
-    upstream = build()  # 10 blocks x 2 hashes per block, 16 tokens x 8 B per object
-    prime_r3.apply(names=["store_headroom"], log=False)
-    with caplog.at_level(logging.INFO, logger=LOGGER):
-        store = build()
-    assert store.object_nbytes == upstream.object_nbytes
-    assert store.num_slots == 2 * upstream.num_slots
-    assert len(store._arena) == 2 * len(upstream._arena)
-    logs = [r.getMessage() for r in caplog.records if "store_headroom" in r.getMessage()]
+    """The connector wrapper touches aux_output_config only where upstream does.
+
+    Upstream reads ``aux_output_config.max_bytes`` only on the output rank, right before
+    it builds the store; on other ranks it reads nothing of it.
+    """
+    upstream, patched = tp_ranks[f"upstream{aux}", rank], tp_ranks[f"headroom{aux}", rank]
+    _expect_patches(patched, HEADROOM)
+    assert patched.error == upstream.error
+    assert set(patched.reads) == set(upstream.reads)
+    if rank == OTHER_RANK:
+        assert upstream.reads == () and upstream.num_slots is None
+        assert patched.num_slots is None
+    else:
+        assert set(upstream.reads) == {"max_bytes"}
+
+
+def test_non_output_rank_without_max_bytes_builds_as_upstream(
+    tp_ranks: dict[tuple[str, int], Built],
+) -> None:
+    """A config with no max_bytes works upstream on a non-output rank, and must with us."""
+    upstream = tp_ranks["upstream_no_max_bytes", OTHER_RANK]
+    patched = tp_ranks["headroom_no_max_bytes", OTHER_RANK]
+    assert upstream.error is None and upstream.num_slots is None
+    assert patched.error is None and patched.num_slots is None
+    # On the output rank upstream itself needs it: the same AttributeError, from upstream.
+    output = tp_ranks["headroom_no_max_bytes", OUTPUT_RANK]
+    assert output.error is not None and output.error[0] == "AttributeError"
+    assert output.error == tp_ranks["upstream_no_max_bytes", OUTPUT_RANK].error
+
+
+def test_headroom_doubles_the_kv_derived_store(tp_ranks: dict[tuple[str, int], Built]) -> None:
+    upstream, patched = tp_ranks["upstream", OUTPUT_RANK], tp_ranks["headroom", OUTPUT_RANK]
+    assert upstream.error is None and patched.error is None
+    assert upstream.num_slots is not None and upstream.arena_bytes is not None
+    assert patched.object_nbytes == upstream.object_nbytes
+    if not _expect_patches(patched, HEADROOM):  # 0.33: upstream's 1x sizing, no log
+        assert patched.num_slots == upstream.num_slots
+        assert not [m for m in patched.logs if "store_headroom" in m]
+        return
+    assert patched.num_slots == 2 * upstream.num_slots
+    assert patched.arena_bytes == 2 * upstream.arena_bytes
+    logs = [m for m in patched.logs if "store_headroom" in m]
     assert len(logs) == 1
-    assert f"{store.num_slots} objects" in logs[0] and f"{len(store._arena)} bytes" in logs[0]
-    # Stores built outside the connector keep upstream's size.
-    assert store_mod.BlockObjectStore(max_bytes=64, object_nbytes=8).num_slots == 8
+    assert f"{patched.num_slots} objects" in logs[0] and f"{patched.arena_bytes} bytes" in logs[0]
 
 
-def test_headroom_factor_from_the_environment(connector_factory: Any) -> None:
-    env, build = connector_factory
-    upstream = build(num_blocks=7)
-    env.setenv("PRIME_R3_STORE_HEADROOM_FACTOR", "1.5")
-    prime_r3.apply(names=["store_headroom"], log=False)
-    assert build(num_blocks=7).num_slots == int(upstream.num_slots * 1.5)
+def test_headroom_factor_from_the_environment(tp_ranks: dict[tuple[str, int], Built]) -> None:
+    upstream = tp_ranks["upstream_7_blocks", OUTPUT_RANK]
+    patched = tp_ranks["headroom_factor_1.5", OUTPUT_RANK]
+    assert upstream.num_slots is not None
+    factor = 1.5 if _expect_patches(patched, HEADROOM) else 1
+    assert patched.num_slots == int(upstream.num_slots * factor)
 
 
-def test_headroom_keeps_an_explicit_max_bytes(
-    connector_factory: Any, caplog: pytest.LogCaptureFixture
+def test_headroom_keeps_an_explicit_max_bytes(tp_ranks: dict[tuple[str, int], Built]) -> None:
+    upstream = tp_ranks["upstream_explicit", OUTPUT_RANK]
+    patched = tp_ranks["headroom_explicit", OUTPUT_RANK]
+    assert upstream.object_nbytes is not None
+    assert upstream.num_slots == EXPLICIT_MAX_BYTES // upstream.object_nbytes
+    assert patched.num_slots == upstream.num_slots
+    kept_logged = any("set explicitly" in m for m in patched.logs)
+    assert kept_logged == _expect_patches(patched, HEADROOM)
+
+
+def test_all_three_on_the_connector_store(tp_ranks: dict[tuple[str, int], Built]) -> None:
+    """Headroom sizes it, growth saves it at overflow (0.33: upstream grows by itself)."""
+    upstream = tp_ranks["upstream_overflow", OUTPUT_RANK]
+    patched = tp_ranks["all_overflow", OUTPUT_RANK]
+    base = tp_ranks["upstream", OUTPUT_RANK].num_slots
+    assert base is not None and upstream.overflow is not None and patched.overflow is not None
+    if not _expect_patches(patched, tuple(STORE_PATCHES)):
+        # 0.33 grows to max(objects held, 2x): base + 3 objects, at least double.
+        assert upstream.overflow == ("ok", 2 * base, True)
+        assert patched.overflow == upstream.overflow
+        return
+    outcome, slots, _ = upstream.overflow
+    assert outcome.startswith("error: auxiliary output store cannot retain") and slots == base
+    # 2x headroom, then 2x + 3 referenced objects: grows to max(needed, 2 * 2x).
+    assert patched.overflow == ("ok", 4 * base, True)
+    for rank_result in (tp_ranks["all_overflow", OTHER_RANK],):
+        assert rank_result.error is None and rank_result.num_slots is None
+
+
+def test_stores_built_outside_the_connector_keep_upstream_size(
+    reverted: pytest.MonkeyPatch,
 ) -> None:
-    _, build = connector_factory
-    upstream = build(max_bytes=1000)
-    prime_r3.apply(names=["store_headroom"], log=False)
-    with caplog.at_level(logging.INFO, logger=LOGGER):
-        store = build(max_bytes=1000)
-    assert store.num_slots == upstream.num_slots
-    assert any("set explicitly" in r.getMessage() for r in caplog.records)
+    reverted.setenv("PRIME_R3_PATCHES", "all")
+    prime_r3.apply(log=False)
+    assert store_mod.BlockObjectStore(max_bytes=64, object_nbytes=8).num_slots == 8
 
 
 @pytest.mark.parametrize("value", ["0.5", "inf", "two", "nan"])
@@ -276,18 +345,26 @@ def test_headroom_factor_rejects_bad_values(value: str, reverted: pytest.MonkeyP
         prime_r3.apply(names=["store_headroom"], log=False)
 
 
-def test_all_three_on_the_connector_store(connector_factory: Any) -> None:
-    """Headroom sizes it, eviction keeps puts cheap, growth saves it at overflow."""
-    _, build = connector_factory
-    upstream_slots = build(num_blocks=2).num_slots
-    prime_r3.apply(names=STORE_PATCHES, log=False)
-    store = build(num_blocks=2)
-    assert store.num_slots == 2 * upstream_slots
-    background = store_mod.BackgroundBlockObjectStore(store, max_pending_batches=2)
-    nbytes = store.object_nbytes
-    keys = [f"k{i}" for i in range(2 * upstream_slots + 3)]
-    objects = [store_mod.BlockObject(k, bytes([i]) * nbytes) for i, k in enumerate(keys)]
-    background.put(objects, retain_keys=keys)
-    assert background.get_concatenated(keys[::-1]) == b"".join(o.payload for o in objects[::-1])
-    assert store.num_slots == 4 * upstream_slots
-    background.close()
+def test_headroom_store_wrapper_passes_unknown_keywords_to_upstream(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """Inside the connector's context, a keyword upstream rejects is still rejected."""
+    from types import SimpleNamespace
+
+    from prime_r3.fixes import store_headroom
+
+    kwargs = {"max_bytes": 64, "object_nbytes": 8, "unknown": 1}
+    with pytest.raises(TypeError) as upstream_error:
+        store_mod.BlockObjectStore(**kwargs)
+    if store_fixed_upstream():
+        assert prime_r3.status().outcome("store_headroom").reason == fixed_upstream_reason()
+        return
+    prime_r3.apply(names=["store_headroom"], log=False)
+    config = SimpleNamespace(aux_output_config=SimpleNamespace(max_bytes=None))
+    token = store_headroom._sizing.set(store_headroom._Sizing(2.0, config))
+    try:
+        with pytest.raises(TypeError) as patched_error:
+            store_mod.BlockObjectStore(**kwargs)
+    finally:
+        store_headroom._sizing.reset(token)
+    assert str(patched_error.value) == str(upstream_error.value)

@@ -198,6 +198,40 @@ def test_growth_undoes_references_exactly() -> None:
     assert store._references == before
 
 
+def _keys_then_fail(keys: list[str], consumed: list[str]) -> Any:
+    """A one-shot iterable that records what was taken from it, then raises."""
+    for key in keys:
+        consumed.append(key)
+        yield key
+    raise ValueError("caller's iterator failed")
+
+
+@pytest.mark.parametrize("closed", [False, True], ids=["open", "closed"])
+def test_growth_consumes_arguments_when_and_as_far_as_upstream(
+    closed: bool, reverted: pytest.MonkeyPatch
+) -> None:
+    """One-shot arguments: same consumption, same exception, same partial state."""
+    growth_applies = not store_fixed_upstream()
+    if growth_applies:
+        prime_r3.apply(names=["store_growth"], log=False)
+    results = []
+    for store in (upstream_store(16, 4), store_mod.BlockObjectStore(max_bytes=16, object_nbytes=4)):
+        store.put(_objects("a", "b"), retain_keys=["a"])
+        if closed:
+            store.close()
+        taken: list[str] = []
+        with pytest.raises((ValueError, RuntimeError)) as error:
+            store.put(
+                iter(_objects("c")),
+                retain_keys=_keys_then_fail(["b", "c"], taken),
+                release_keys=iter(["a"]),
+            )
+        results.append((type(error.value), str(error.value), taken, dict(store._references)))
+    assert results[0] == results[1]
+    assert results[0][2] == ([] if closed else ["b", "c"])
+    assert prime_r3.is_object_patched(store_mod.BlockObjectStore.__dict__["put"]) == growth_applies
+
+
 # -- store_headroom, on the real connector on real TP ranks ----------------------------
 
 HEADROOM = ("store_headroom",)

@@ -8,12 +8,14 @@ both stores are instances of the same class in the same process.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import MethodType
 from typing import Any
 
+import pytest
 import torch
 import wrapt
 from vllm.distributed.aux_output_connector import store as store_mod
@@ -101,7 +103,7 @@ class Op:
         return "ok", result
 
     def new_keys(self, store: Any) -> int:
-        return len({obj.key for obj in self.objects}.difference(store._lru))
+        return len({obj.key for obj in self.objects}.difference(key_to_slot(store)))
 
 
 @dataclass
@@ -132,7 +134,7 @@ class Sequence:
         rng = self.rng
         roll = rng.random()
         if roll < 0.25:
-            stored = list(reference._lru)
+            stored = list(key_to_slot(reference))
             keys = rng.choices(stored, k=rng.randint(0, min(4, len(stored)))) if stored else []
             if rng.random() < 0.05:
                 keys.insert(rng.randint(0, len(keys)), rng.choice(self.pool))  # maybe missing
@@ -166,6 +168,12 @@ class Sequence:
         if self.allow_bad_release and rng.random() < 0.0003:
             release.append(rng.choice(self.pool) + "-unheld")  # caller bug: KeyError
         return release
+
+
+def key_to_slot(store: Any) -> dict[str, int]:
+    """Every stored key and its slot: ``_lru`` in 0.31/0.32; ``_slots`` in 0.33, whose
+    ``_lru`` holds only the unreferenced (evictable) keys."""
+    return store._slots if store_fixed_upstream() else store._lru
 
 
 def unreferenced_order(store: Any) -> list[str]:
@@ -510,7 +518,9 @@ def build_on_tp_ranks(
 FIXED_UPSTREAM = {"0.31.0": False, "0.32.0": False, "0.33.0": True}
 
 
+@functools.cache
 def installed_release() -> str:
+    """The installed vLLM (read once: the harness asks on every op)."""
     from prime_r3 import guards
 
     version = guards.installed_vllm_version()
@@ -531,3 +541,64 @@ def store_fixed_upstream() -> bool:
 
 def fixed_upstream_reason() -> str:
     return f"vllm {installed_release()} has this fix upstream (fixed upstream in 0.33)"
+
+
+def apply_or_expect_fixed_upstream(names: list[str]) -> bool:
+    """Apply the named store patches, or, where the release has the fixes upstream,
+    check that each skips with that reason and nothing was replaced. True if applied."""
+    from prime_r3 import layer
+
+    if not store_fixed_upstream():
+        report = prime_r3.apply(names=names, log=False)
+        # store_headroom's connector target waits for vLLM to import worker.py.
+        assert set(report.names(layer.APPLIED, layer.PENDING)) == set(names), report
+        return True
+    with pytest.raises(prime_r3.PatchNotApplied) as caught:
+        prime_r3.apply(names=names, log=False)
+    skipped = {o.name: (o.state, o.reason) for o in caught.value.report.outcomes if o.name in names}
+    assert skipped == {n: (layer.SKIPPED, fixed_upstream_reason()) for n in names}
+    for attr, value in vars(store_mod.BlockObjectStore).items():
+        assert not prime_r3.is_object_patched(value), attr
+    return False
+
+
+def run_upstream_properties(seed: int, num_ops: int) -> dict[str, int]:
+    """Upstream's own store on one seeded sequence, checked after every op.
+
+    Every release: a victim is never a referenced key, and the store never holds more
+    keys than slots. When every slot is referenced, 0.31/0.32 raise (the failure the
+    store patches exist for) and 0.33 grows to max(keys held, 2x), only then.
+    """
+    grows = store_fixed_upstream()
+    seq = Sequence(seed)
+    store = upstream_store(seq.max_bytes, seq.object_nbytes)
+    counts = {"ops": 0, "no_room": 0, "grown": 0, "evicted": 0}
+    for index in range(num_ops):
+        where = f"seed={seed} op={index}"
+        op = seq.next_op(store)
+        before = set(key_to_slot(store))
+        slots_before = store.num_slots
+        outcome = op.run(store)
+        counts["ops"] += 1
+        if outcome[0] == "error":
+            name, message = outcome[1]
+            if name == "KeyError":
+                break  # over-release: a caller bug that vLLM's writer treats as fatal
+            if NO_ROOM in message:
+                assert not grows, f"{where}: this release must grow, it raised: {message}"
+                counts["no_room"] += 1
+            continue
+        after = key_to_slot(store)
+        victims = before - set(after)
+        counts["evicted"] += len(victims)
+        assert victims.isdisjoint(store._references), f"{where}: evicted referenced keys"
+        assert len(after) <= store.num_slots, f"{where}: more keys than slots"
+        if store.num_slots != slots_before:
+            assert grows, f"{where}: capacity changed from {slots_before}"
+            counts["grown"] += 1
+            assert store.num_slots == max(len(after), 2 * slots_before), where
+            assert len(store._arena) == store.num_slots * store.object_nbytes, where
+            # Grown only because nothing else could go: every key is held or just put.
+            batch = {obj.key for obj in op.objects}
+            assert set(after) <= set(store._references) | batch, f"{where}: grew needlessly"
+    return counts

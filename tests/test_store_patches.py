@@ -12,13 +12,16 @@ import pytest
 import prime_r3
 from prime_r3 import config, layer
 from prime_r3.fixes import store_eviction, store_growth
+from prime_r3.fixes.aux_output import STORE_MODULE
 from prime_r3.patches import REGISTRY
 from tests.store_harness import (
     EXPLICIT_MAX_BYTES,
     Built,
     Scenario,
+    apply_or_expect_fixed_upstream,
     build_on_tp_ranks,
     fixed_upstream_reason,
+    key_to_slot,
     store_fixed_upstream,
     store_mod,
     upstream_store,
@@ -57,29 +60,47 @@ def _targets(names: list[str]) -> dict[tuple[Any, str], Any]:
 def test_any_subset_applies_and_reverts_to_the_originals(
     names: list[str], reverted: pytest.MonkeyPatch
 ) -> None:
+    """0.31/0.32: any subset applies and reverts to the originals; 0.33: all skip, untouched."""
+    from vllm.distributed.aux_output_connector import worker  # noqa: F401 - all targets live
+
     originals = _targets(STORE_PATCHES)
     wanted = set(_targets(names))
-    report = prime_r3.apply(names=names, log=False)
-    assert report.applied == names
+    applied = apply_or_expect_fixed_upstream(names)
     for (owner, attr), original in originals.items():
         current = owner.__dict__[attr]
-        if (owner, attr) in wanted:
+        if applied and (owner, attr) in wanted:
             assert prime_r3.is_object_patched(current) and current.__wrapped__ is original
         else:
             assert current is original
-    assert {n for n in STORE_PATCHES if n not in names}.isdisjoint(report.applied)
-    # A store still works with this subset in place.
+    # A store still works with this subset in place (or with none, on 0.33).
     store = store_mod.BlockObjectStore(max_bytes=8, object_nbytes=4)
     store.put(_objects("a", "b"))
     store.put(_objects("c"))  # evicts "a"
-    assert store.get_concatenated(["c", "b"]) == b"c...b..." and "a" not in store._lru
+    assert store.get_concatenated(["c", "b"]) == b"c...b..."
+    assert "a" not in key_to_slot(store)
     prime_r3.revert()
     for (owner, attr), original in originals.items():
         assert owner.__dict__[attr] is original
 
 
-def test_a_changed_target_source_skips_the_patch(reverted: pytest.MonkeyPatch) -> None:
-    spec = store_eviction.SPEC
+@pytest.mark.parametrize(
+    "spec", [s for s in REGISTRY if s.name in STORE_PATCHES], ids=lambda s: s.name
+)
+def test_the_guard_sees_each_releases_store_source(spec: Any, reverted: pytest.MonkeyPatch) -> None:
+    """0.31/0.32: every target verifies, and a changed one skips the patch.
+
+    0.33: besides the version rule, the source guard alone would skip every store patch:
+    each has a target or anchor in 0.33's rewritten store.py that no longer verifies.
+    """
+    from prime_r3 import guards
+
+    reasons = [guards.check(item) for item in (*spec.targets, *spec.anchors)]
+    if store_fixed_upstream():
+        changed = [r for r in reasons if r is not None]
+        assert changed and all(r.startswith("target source changed: ") for r in changed)
+        assert all(STORE_MODULE in r for r in changed)
+        return
+    assert reasons == [None] * len(reasons)
     stale = dataclasses.replace(
         spec,
         targets=tuple(
@@ -87,10 +108,10 @@ def test_a_changed_target_source_skips_the_patch(reverted: pytest.MonkeyPatch) -
         ),
     )
     reverted.setattr(layer, "registry", lambda: (stale,))
-    before = store_mod.BlockObjectStore.__dict__["_evict_to_fit"]
+    before = _targets([spec.name])
     with pytest.raises(prime_r3.PatchNotApplied, match="target source changed"):
-        prime_r3.apply(names=["store_eviction"], log=False)
-    assert store_mod.BlockObjectStore.__dict__["_evict_to_fit"] is before
+        prime_r3.apply(names=[spec.name], log=False)
+    assert _targets([spec.name]) == before
 
 
 # -- store_eviction ------------------------------------------------------------------
@@ -102,18 +123,25 @@ def _full_store(num_slots: int, referenced: int) -> Any:
     keys = [f"r{i}" for i in range(referenced)]
     store.put([store_mod.BlockObject(k, b"r") for k in keys], retain_keys=keys)
     store.put([store_mod.BlockObject(f"u{i}", b"u") for i in range(num_slots - referenced)])
-    assert len(store._lru) == num_slots
+    assert len(key_to_slot(store)) == num_slots
     return store
 
 
 def test_rotated_keys_are_not_rescanned_every_put(reverted: pytest.MonkeyPatch) -> None:
-    prime_r3.apply(names=["store_eviction"], log=False)
+    """0.31/0.32: the rotation runs once per pass; 0.33: referenced keys never sit in the LRU."""
+    applied = apply_or_expect_fixed_upstream(["store_eviction"])
     store = _full_store(1000, 800)
     moved: list[int] = []
     rotate = store_eviction.rotate_referenced
     reverted.setattr(store_eviction, "rotate_referenced", lambda *a: moved.append(rotate(*a)))
     for step in range(60):
         store.put([store_mod.BlockObject(f"n{step}.{i}", b"n") for i in range(5)])
+        if not applied:  # upstream's scan window holds no referenced key, ever
+            assert store._references.keys().isdisjoint(store._lru)
+    assert all(f"r{i}" in key_to_slot(store) for i in range(800))
+    if not applied:
+        assert moved == []
+        return
     # The first put moves the 800 referenced keys behind everything evictable: the 200
     # old keys and its own 5. Only once those 205 are evicted (41 puts of 5) does the
     # eviction front reach the referenced keys again: once per pass, not once per put.
@@ -121,12 +149,12 @@ def test_rotated_keys_are_not_rescanned_every_put(reverted: pytest.MonkeyPatch) 
     expected = [0] * 60
     expected[0] = expected[passes] = 800
     assert moved == expected
-    assert all(f"r{i}" in store._lru for i in range(800))
 
 
 def test_eviction_victims_match_upstream_on_a_pile_up(reverted: pytest.MonkeyPatch) -> None:
+    """0.31/0.32: the patched store evicts upstream's victims; 0.33: never a referenced key."""
     reference = upstream_store(50, 1)
-    prime_r3.apply(names=["store_eviction"], log=False)
+    applied = apply_or_expect_fixed_upstream(["store_eviction"])
     patched = store_mod.BlockObjectStore(max_bytes=50, object_nbytes=1)
     for store in (reference, patched):
         keys = [f"r{i}" for i in range(30)]
@@ -134,8 +162,14 @@ def test_eviction_victims_match_upstream_on_a_pile_up(reverted: pytest.MonkeyPat
         store.put([store_mod.BlockObject(f"u{i}", b"u") for i in range(20)])
         store.put(_objects("x", "y", nbytes=1), release_keys=["r3", "r7"])
         store.put(_objects("z", "r7", nbytes=1))
-    assert reference._lru.items() == patched._lru.items()  # same keys in the same slots
-    assert {f"u{i}" for i in range(20)} - set(patched._lru) == {"u0", "u1", "u2"}
+    stored = key_to_slot(patched)
+    assert stored.items() == key_to_slot(reference).items()  # same keys in the same slots
+    assert all(f"r{i}" in stored for i in range(30) if i not in (3, 7))  # still referenced
+    # Every release evicts the oldest unreferenced keys: u0, u1 for x and y, u2 for z
+    # (0.33 drops r7, unreferenced and re-put, from its slot and stores it again).
+    assert {f"u{i}" for i in range(20)} - set(stored) == {"u0", "u1", "u2"}
+    if not applied:
+        return
     assert [k for k in reference._lru if k not in reference._references] == [
         k for k in patched._lru if k not in patched._references
     ]
@@ -147,18 +181,30 @@ def test_eviction_victims_match_upstream_on_a_pile_up(reverted: pytest.MonkeyPat
 def test_growth_keeps_every_key_and_warns_once_per_growth(
     reverted: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """0.31/0.32: upstream raises, the patched store grows; 0.33: upstream grows by itself."""
     reference = upstream_store(4 * 4, 4)
-    prime_r3.apply(names=["store_growth"], log=False)
+    applied = apply_or_expect_fixed_upstream(["store_growth"])
     store = store_mod.BlockObjectStore(max_bytes=4 * 4, object_nbytes=4)
     held = [f"h{i}" for i in range(5)]
+    more = [f"m{i}" for i in range(7)]
     for s in (reference, store):
         s.put(_objects("free"))
+    if not applied:
+        # 0.33 evicts what it can ("free"), then grows to max(held, 2x): 5 -> 8, 12 -> 16.
+        for s in (reference, store):
+            s.put(_objects(*held), retain_keys=held)
+            assert s.num_slots == 8 and len(s._arena) == 32 and "free" not in s._slots
+            s.put(_objects(*more), retain_keys=more)
+            assert s.num_slots == 16
+            for key in [*held, *more]:
+                assert s.get_concatenated([key]) == _objects(key)[0].payload
+            assert s._references == {k: 1 for k in held + more}
+        return
     with pytest.raises(store_mod.BlockObjectStoreError, match="cannot retain"):
         reference.put(_objects(*held), retain_keys=held)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         store.put(_objects(*held), retain_keys=held)  # 6 keys, 1 evictable: grows to 8
         assert store.num_slots == 8 and len(store._arena) == 32
-        more = [f"m{i}" for i in range(7)]
         store.put(_objects(*more), retain_keys=more)  # 13 keys, 1 evictable: grows to 16
         assert store.num_slots == 16
     growths = [r for r in caplog.records if "store_growth" in r.getMessage()]
@@ -169,17 +215,23 @@ def test_growth_keeps_every_key_and_warns_once_per_growth(
 
 
 def test_growth_keeps_the_writer_thread_alive(reverted: pytest.MonkeyPatch) -> None:
+    """0.31/0.32: upstream's writer dies on overflow, the patched one lives; 0.33: both live."""
+
     def overflow(background: Any) -> None:
         keys = [f"k{i}" for i in range(9)]
         background.put(_objects(*keys), retain_keys=keys)
         assert background.get_concatenated(["k8"]) == _objects("k8")[0].payload
 
     upstream = store_mod.BackgroundBlockObjectStore(upstream_store(16, 4), max_pending_batches=2)
-    with pytest.raises(store_mod.BlockObjectStoreError, match="publication failed"):
+    if store_fixed_upstream():
         overflow(upstream)
-    with pytest.raises(store_mod.BlockObjectStoreError):
         upstream.close()
-    prime_r3.apply(names=["store_growth"], log=False)
+    else:
+        with pytest.raises(store_mod.BlockObjectStoreError, match="publication failed"):
+            overflow(upstream)
+        with pytest.raises(store_mod.BlockObjectStoreError):
+            upstream.close()
+    apply_or_expect_fixed_upstream(["store_growth"])
     grown = store_mod.BackgroundBlockObjectStore(
         store_mod.BlockObjectStore(max_bytes=16, object_nbytes=4), max_pending_batches=2
     )
@@ -188,6 +240,7 @@ def test_growth_keeps_the_writer_thread_alive(reverted: pytest.MonkeyPatch) -> N
 
 
 def test_growth_undoes_references_exactly() -> None:
+    """The undo helper against the real _retain/_release of the installed release."""
     store = upstream_store(8, 1)
     store._retain(["a", "a", "b"])
     before = dict(store._references)

@@ -175,6 +175,35 @@ def test_eviction_victims_match_upstream_on_a_pile_up(reverted: pytest.MonkeyPat
     ]
 
 
+class _RaisingContainer:
+    """A ``protected`` argument whose membership test fails (never upstream's own call)."""
+
+    def __contains__(self, key: object) -> bool:
+        raise TypeError(f"cannot test {key!r}")
+
+
+def test_eviction_leaves_state_as_upstream_when_protected_raises(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """A protected argument upstream fails on: the same error and no reordering first."""
+    reference = upstream_store(6, 1)
+    applied = apply_or_expect_fixed_upstream(["store_eviction"])
+    patched = store_mod.BlockObjectStore(max_bytes=6, object_nbytes=1)
+    outcomes = []
+    for store in (reference, patched):
+        keys = ["r0", "r1", "r2"]
+        store.put(_objects(*keys, nbytes=1), retain_keys=keys)
+        store.put(_objects("u0", "u1", "u2", nbytes=1))
+        key_to_slot(store)["extra"] = -1  # one over capacity, as mid-put
+        with pytest.raises(TypeError) as error:
+            store._evict_to_fit(_RaisingContainer())
+        outcomes.append((str(error.value), list(store._lru)))
+    assert outcomes[0] == outcomes[1]
+    assert prime_r3.is_object_patched(store_mod.BlockObjectStore.__dict__["_evict_to_fit"]) == (
+        applied
+    )
+
+
 # -- store_growth --------------------------------------------------------------------
 
 

@@ -7,12 +7,16 @@ both stores are instances of the same class in the same process.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import MethodType
 from typing import Any
 
+import pytest
+import torch
 import wrapt
 from vllm.distributed.aux_output_connector import store as store_mod
 
@@ -99,7 +103,7 @@ class Op:
         return "ok", result
 
     def new_keys(self, store: Any) -> int:
-        return len({obj.key for obj in self.objects}.difference(store._lru))
+        return len({obj.key for obj in self.objects}.difference(key_to_slot(store)))
 
 
 @dataclass
@@ -130,7 +134,7 @@ class Sequence:
         rng = self.rng
         roll = rng.random()
         if roll < 0.25:
-            stored = list(reference._lru)
+            stored = list(key_to_slot(reference))
             keys = rng.choices(stored, k=rng.randint(0, min(4, len(stored)))) if stored else []
             if rng.random() < 0.05:
                 keys.insert(rng.randint(0, len(keys)), rng.choice(self.pool))  # maybe missing
@@ -164,6 +168,12 @@ class Sequence:
         if self.allow_bad_release and rng.random() < 0.0003:
             release.append(rng.choice(self.pool) + "-unheld")  # caller bug: KeyError
         return release
+
+
+def key_to_slot(store: Any) -> dict[str, int]:
+    """Every stored key and its slot: ``_lru`` in 0.31/0.32; ``_slots`` in 0.33, whose
+    ``_lru`` holds only the unreferenced (evictable) keys."""
+    return store._slots if store_fixed_upstream() else store._lru
 
 
 def unreferenced_order(store: Any) -> list[str]:
@@ -230,4 +240,365 @@ def run_sequence(seed: int, num_ops: int, *, growth: bool) -> dict[str, int]:
             ], f"{where}: order of unreferenced keys differs"
             break
         assert_same_state(reference, patched, where)
+    return counts
+
+
+# -- AuxOutputWorkerConnector on real tensor-parallel ranks ----------------------------
+#
+# vLLM decides the output rank with ``get_tp_group().is_first_rank`` inside
+# AuxOutputWorkerConnector.__init__: only TP rank 0 reads ``aux_output_config`` and
+# builds the store. To exercise both ranks for real, two spawned processes form a gloo
+# world of 2 with vLLM's own init_distributed_environment / initialize_model_parallel
+# (TP=2, inside set_current_vllm_config as vLLM's workers do), and build the connector
+# with its real constructor: real VllmConfig (from EngineArgs), real
+# RoutedExpertsCapturer (CPU buffer), real bind_routed_experts_capturer, real KV config,
+# real store and buffer. Only the model is a one-router stand-in.
+
+TP_SIZE = 2
+BASE_BLOCKS = 10
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One connector construction, run on every TP rank."""
+
+    name: str
+    patches: tuple[str, ...] = ()
+    #: "real": the real AuxOutputConfig (reads recorded); "no_max_bytes": the same
+    #: config without a ``max_bytes`` attribute; "explicit": max_bytes set by the user.
+    aux: str = "real"
+    env: tuple[tuple[str, str], ...] = ()
+    num_blocks: int = BASE_BLOCKS
+    #: After building, publish this many times the store's slots (+3) as referenced.
+    overflow: bool = False
+
+
+@dataclass(frozen=True)
+class Built:
+    """What one rank observed for one scenario (plain data, sent back to the test)."""
+
+    rank: int
+    is_first_rank: bool
+    applied: tuple[str, ...]
+    skipped: tuple[tuple[str, str], ...]
+    error: tuple[str, str] | None
+    reads: tuple[str, ...]
+    num_slots: int | None = None
+    object_nbytes: int | None = None
+    arena_bytes: int | None = None
+    logs: tuple[str, ...] = ()
+    #: With ``overflow``: (outcome, slots after, payloads read back intact).
+    overflow: tuple[str, int, bool] | None = None
+
+
+EXPLICIT_MAX_BYTES = 7 * 1024
+
+
+class AuxConfigRecorder:
+    """The real AuxOutputConfig behind a recorder of every attribute read on it.
+
+    ``hide`` names attributes that read as missing, for a config without them.
+    """
+
+    def __init__(self, real: Any, hide: tuple[str, ...] = ()) -> None:
+        object.__setattr__(self, "_state", (real, hide, []))
+
+    def __getattribute__(self, name: str) -> Any:
+        real, hide, reads = object.__getattribute__(self, "_state")
+        reads.append(name)
+        if name in hide:
+            raise AttributeError(f"{type(real).__name__!r} object has no attribute {name!r}")
+        return getattr(real, name)
+
+    @staticmethod
+    def reads(recorder: AuxConfigRecorder) -> list[str]:
+        return object.__getattribute__(recorder, "_state")[2]
+
+
+class _Router(torch.nn.Module):
+    """The one MoE router the real bind_routed_experts_capturer binds to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer_id = 0
+        self.capture_fn = None
+
+
+def _build_on_rank(scenario: Scenario, rank: int, vllm_config: Any) -> Built:
+    import logging
+    import os
+
+    from vllm.distributed.aux_output_connector import worker
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from prime_r3.bench.vllm_setup import build_kv_cache_config
+    from prime_r3.bench.workload import BenchConfig
+
+    prime_r3.revert()
+    for var in [v for v in os.environ if v.startswith("PRIME_R3")]:
+        del os.environ[var]
+    os.environ.update(dict(scenario.env))
+    applied: tuple[str, ...] = ()
+    skipped: tuple[tuple[str, str], ...] = ()
+    if scenario.patches:
+        try:
+            report = prime_r3.apply(names=list(scenario.patches), log=False)
+        except prime_r3.PatchNotApplied as error:
+            report = error.report
+        applied = tuple(report.applied)
+        skipped = tuple((o.name, o.reason) for o in report.outcomes if o.name in report.skipped)
+    real_aux = original_aux = vllm_config.aux_output_config
+    if scenario.aux == "explicit":
+        real_aux = dataclasses.replace(real_aux, max_bytes=EXPLICIT_MAX_BYTES)
+    recorder = AuxConfigRecorder(real_aux, ("max_bytes",) if scenario.aux == "no_max_bytes" else ())
+    object.__setattr__(vllm_config, "aux_output_config", recorder)
+    logs: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logs.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("vllm.prime_r3")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    kv_cache_config = build_kv_cache_config(BenchConfig(kv_blocks=scenario.num_blocks))
+    connector = None
+    try:
+        connector = worker.AuxOutputWorkerConnector(
+            vllm_config=vllm_config, model=_Router(), kv_cache_config=kv_cache_config
+        )
+        error = None
+    except Exception as caught:  # noqa: BLE001 - compared with upstream's by the test
+        error = (type(caught).__name__, str(caught))
+    finally:
+        object.__setattr__(vllm_config, "aux_output_config", original_aux)
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    reads = tuple(AuxConfigRecorder.reads(recorder))
+    built = Built(
+        rank, get_tp_group().is_first_rank, applied, skipped, error, reads, logs=tuple(logs)
+    )
+    if connector is not None and connector._store is not None:
+        store = connector._store._store
+        built = dataclasses.replace(
+            built,
+            num_slots=store.num_slots,
+            object_nbytes=store.object_nbytes,
+            arena_bytes=len(store._arena),
+        )
+        if scenario.overflow:
+            built = dataclasses.replace(built, overflow=_overflow(connector._store, store))
+    if connector is not None:
+        try:
+            connector.close()
+        except store_mod.BlockObjectStoreError:  # the writer failed in _overflow: reported
+            assert built.overflow is not None and built.overflow[0].startswith("error")
+    prime_r3.revert()
+    return built
+
+
+def _overflow(background: Any, store: Any) -> tuple[str, int, bool]:
+    """Publish more referenced objects than the store holds, through its writer thread."""
+    nbytes = store.object_nbytes
+    keys = [f"k{i}" for i in range(store.num_slots + 3)]
+    objects = [store_mod.BlockObject(k, bytes([i % 251]) * nbytes) for i, k in enumerate(keys)]
+    try:
+        background.put(objects, retain_keys=keys)
+        intact = background.get_concatenated(keys[::-1]) == b"".join(
+            o.payload for o in objects[::-1]
+        )
+    except store_mod.BlockObjectStoreError as error:
+        return f"error: {error.__cause__}", store.num_slots, False
+    return "ok", store.num_slots, intact
+
+
+def _rank_main(rank: int, port: int, scenarios: list[Scenario], results: Any) -> None:
+    """One TP rank: join the gloo world the way vLLM's workers do, then build each scenario."""
+    import os
+    import tempfile
+    import traceback
+    from datetime import timedelta
+
+    os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+    os.environ["PRIME_R3"] = "0"  # vLLM's plugin loader must not apply anything by itself
+    try:
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import parallel_state
+        from vllm.engine.arg_utils import EngineArgs
+
+        from prime_r3.bench.vllm_setup import write_model_dir
+        from prime_r3.bench.workload import BenchConfig
+
+        model_dir = write_model_dir(
+            BenchConfig(layers=4, topk=2, experts=8), tempfile.mkdtemp(prefix="prime_r3_tp_")
+        )
+        vllm_config = EngineArgs(
+            model=model_dir,
+            skip_tokenizer_init=True,
+            load_format="dummy",
+            dtype="bfloat16",
+            tensor_parallel_size=TP_SIZE,
+            distributed_executor_backend="mp",
+            max_model_len=1024,
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+        ).create_engine_config()
+        vllm_config.aux_output_config.enable_return_routed_experts = True
+        with set_current_vllm_config(vllm_config):
+            parallel_state.init_distributed_environment(
+                world_size=TP_SIZE,
+                rank=rank,
+                distributed_init_method=f"tcp://127.0.0.1:{port}",
+                local_rank=rank,
+                backend="gloo",
+                timeout=timedelta(seconds=120),
+            )
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP_SIZE)
+        try:
+            for scenario in scenarios:
+                results.put((scenario.name, _build_on_rank(scenario, rank, vllm_config)))
+        finally:
+            parallel_state.destroy_model_parallel()
+            parallel_state.destroy_distributed_environment()
+    except BaseException:  # noqa: BLE001 - reported to the test
+        results.put(("crash", f"rank {rank}: {traceback.format_exc()}"))
+    results.put(("done", rank))
+
+
+def build_on_tp_ranks(
+    scenarios: list[Scenario], timeout: float = 600
+) -> dict[tuple[str, int], Built]:
+    """Run every scenario on each rank of a real TP=2 gloo world; (scenario, rank) -> Built."""
+    import multiprocessing
+    import queue as queue_mod
+    import socket
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, port, scenarios, results)) for r in range(TP_SIZE)
+    ]
+    for proc in procs:
+        proc.start()
+    built: dict[tuple[str, int], Built] = {}
+    done = 0
+    deadline = time.monotonic() + timeout
+    try:
+        while done < TP_SIZE:
+            try:
+                name, value = results.get(timeout=5)
+            except queue_mod.Empty:
+                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+                    raise AssertionError(
+                        f"TP ranks did not finish: exit codes {[p.exitcode for p in procs]}"
+                    ) from None
+                continue
+            if name == "crash":
+                raise AssertionError(value)
+            if name == "done":
+                done += 1
+                continue
+            built[name, value.rank] = value
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return built
+
+
+# -- what each supported release is expected to do ------------------------------------
+
+#: Read in each release's store.py: 0.31.0 and 0.32.0 raise when every slot is
+#: referenced and rescan referenced keys on every eviction (the store patches apply);
+#: 0.33.0 keeps referenced keys out of the LRU and grows the arena (all three skip).
+FIXED_UPSTREAM = {"0.31.0": False, "0.32.0": False, "0.33.0": True}
+
+
+@functools.cache
+def installed_release() -> str:
+    """The installed vLLM (read once: the harness asks on every op)."""
+    from prime_r3 import guards
+
+    version = guards.installed_vllm_version()
+    assert version is not None, "vLLM is not installed"
+    return version
+
+
+def store_fixed_upstream() -> bool:
+    """Whether the installed vLLM has the store fixes upstream; unknown releases fail."""
+    release = installed_release()
+    if release not in FIXED_UPSTREAM:
+        raise AssertionError(
+            f"no expectation for vLLM {release}: read its aux_output_connector/store.py and "
+            f"add it to FIXED_UPSTREAM ({', '.join(FIXED_UPSTREAM)} are known)"
+        )
+    return FIXED_UPSTREAM[release]
+
+
+def fixed_upstream_reason() -> str:
+    return f"vllm {installed_release()} has this fix upstream (fixed upstream in 0.33)"
+
+
+def apply_or_expect_fixed_upstream(names: list[str]) -> bool:
+    """Apply the named store patches, or, where the release has the fixes upstream,
+    check that each skips with that reason and nothing was replaced. True if applied."""
+    from prime_r3 import layer
+
+    if not store_fixed_upstream():
+        report = prime_r3.apply(names=names, log=False)
+        # store_headroom's connector target waits for vLLM to import worker.py.
+        assert set(report.names(layer.APPLIED, layer.PENDING)) == set(names), report
+        return True
+    with pytest.raises(prime_r3.PatchNotApplied) as caught:
+        prime_r3.apply(names=names, log=False)
+    skipped = {o.name: (o.state, o.reason) for o in caught.value.report.outcomes if o.name in names}
+    assert skipped == {n: (layer.SKIPPED, fixed_upstream_reason()) for n in names}
+    for attr, value in vars(store_mod.BlockObjectStore).items():
+        assert not prime_r3.is_object_patched(value), attr
+    return False
+
+
+def run_upstream_properties(seed: int, num_ops: int) -> dict[str, int]:
+    """Upstream's own store on one seeded sequence, checked after every op.
+
+    Every release: a victim is never a referenced key, and the store never holds more
+    keys than slots. When every slot is referenced, 0.31/0.32 raise (the failure the
+    store patches exist for) and 0.33 grows to max(keys held, 2x), only then.
+    """
+    grows = store_fixed_upstream()
+    seq = Sequence(seed)
+    store = upstream_store(seq.max_bytes, seq.object_nbytes)
+    counts = {"ops": 0, "no_room": 0, "grown": 0, "evicted": 0}
+    for index in range(num_ops):
+        where = f"seed={seed} op={index}"
+        op = seq.next_op(store)
+        before = set(key_to_slot(store))
+        slots_before = store.num_slots
+        outcome = op.run(store)
+        counts["ops"] += 1
+        if outcome[0] == "error":
+            name, message = outcome[1]
+            if name == "KeyError":
+                break  # over-release: a caller bug that vLLM's writer treats as fatal
+            if NO_ROOM in message:
+                assert not grows, f"{where}: this release must grow, it raised: {message}"
+                counts["no_room"] += 1
+            continue
+        after = key_to_slot(store)
+        victims = before - set(after)
+        counts["evicted"] += len(victims)
+        assert victims.isdisjoint(store._references), f"{where}: evicted referenced keys"
+        assert len(after) <= store.num_slots, f"{where}: more keys than slots"
+        if store.num_slots != slots_before:
+            assert grows, f"{where}: capacity changed from {slots_before}"
+            counts["grown"] += 1
+            assert store.num_slots == max(len(after), 2 * slots_before), where
+            assert len(store._arena) == store.num_slots * store.object_nbytes, where
+            # Grown only because nothing else could go: every key is held or just put.
+            batch = {obj.key for obj in op.objects}
+            assert set(after) <= set(store._references) | batch, f"{where}: grew needlessly"
     return counts

@@ -82,7 +82,10 @@ def _evict_to_fit(params: Mapping[str, Any]) -> WrapperFn:
     def rotate_then_evict(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
         if instance is not None:
             protected = args[0] if args else kwargs.get("protected")
-            if protected is not None:
+            # Upstream's put always passes a set. Anything else (whose ``in`` might
+            # raise part-way) goes to upstream untouched, so no reordering precedes
+            # an exception upstream would raise on its own.
+            if isinstance(protected, set | frozenset):
                 rotate_referenced(instance, protected)
         return wrapped(*args, **kwargs)
 

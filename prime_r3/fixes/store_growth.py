@@ -84,8 +84,25 @@ def _undo_references(store: Any, retains: Iterable[str], releases: Iterable[str]
             references.pop(key, None)
 
 
-def _as_tuple(keys: Any) -> tuple[str, ...]:
-    return keys if isinstance(keys, tuple) else tuple(keys)
+def _replayable(items: Any) -> tuple[Any, list[Any] | tuple[Any, ...]]:
+    """``items`` as upstream will iterate it, and what it yielded, for a second run.
+
+    Upstream iterates each argument once, at its own point in ``put`` (after the
+    closed-store check, retains before releases). A tuple or list is passed as is; any
+    other iterable is passed as a generator that records what upstream takes from it,
+    so it is consumed exactly when and as far as upstream consumes it (a closed store
+    consumes nothing; an iterator that raises leaves upstream's partial state).
+    """
+    if isinstance(items, tuple | list):
+        return items, items
+    seen: list[Any] = []
+
+    def recording() -> Any:
+        for item in items:
+            seen.append(item)
+            yield item
+
+    return recording(), seen
 
 
 def _put(params: Mapping[str, Any]) -> WrapperFn:
@@ -94,22 +111,21 @@ def _put(params: Mapping[str, Any]) -> WrapperFn:
     def put_or_grow(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
         if instance is None or len(args) != 1 or not set(kwargs) <= {"retain_keys", "release_keys"}:
             return wrapped(*args, **kwargs)  # not upstream's calling convention: no opinion
-        # Arguments may be one-shot iterables; upstream iterates each once, so a tuple is
-        # equivalent, and we need them again for the undo and the second run.
-        retains = _as_tuple(kwargs.get("retain_keys", ()))
-        releases = _as_tuple(kwargs.get("release_keys", ()))
-        objects = args[0] if isinstance(args[0], list) else _as_tuple(args[0])
+        objects, objects_seen = _replayable(args[0])
+        passed = {name: _replayable(keys) for name, keys in kwargs.items()}
         try:
-            return wrapped(objects, retain_keys=retains, release_keys=releases)
+            return wrapped(objects, **{name: first for name, (first, _) in passed.items()})
         except BlockObjectStoreError:
-            # Only _evict_to_fit raises this inside put, after retain and release ran.
+            # Only _evict_to_fit raises this inside put, after upstream iterated the
+            # objects, the retains and the releases to the end.
             lru = instance._lru
-            needed = len(lru) + len({obj.key for obj in objects}.difference(lru))
+            needed = len(lru) + len({obj.key for obj in objects_seen}.difference(lru))
             if needed <= instance.num_slots or instance._arena is None:
                 raise
-            _undo_references(instance, retains, releases)
+            seen = {name: again for name, (_, again) in passed.items()}
+            _undo_references(instance, seen.get("retain_keys", ()), seen.get("release_keys", ()))
             grow(instance, grown_capacity(instance, needed))
-        return wrapped(objects, retain_keys=retains, release_keys=releases)
+        return wrapped(objects_seen, **seen)
 
     return put_or_grow
 

@@ -17,6 +17,14 @@ ContextVar, so per thread and never stored on vLLM's modules), and
 ``BlockObjectStore.__init__`` applies the factor only inside that context. Anyone
 else constructing a ``BlockObjectStore`` gets upstream's behaviour.
 
+The connector wrapper reads nothing: it only keeps the ``vllm_config`` argument in
+the context for the duration of the call. Upstream reads
+``aux_output_config.max_bytes`` only on the TP output rank, just before it builds the
+store, so the store wrapper reads it there, after upstream has: on other ranks (which
+build no store) nothing of the config is touched, and a config upstream accepts there
+is accepted with the overlay too. The context is reset when ``__init__`` returns, so
+nothing is kept alive past the call.
+
 vLLM 0.33 still sizes the store at 1x KV (worker.py is unchanged) but no longer needs
 slack: the overflow that killed the engine is gone (the store grows on demand) and a
 full store no longer costs a rescan (referenced keys leave the LRU). The problem this
@@ -48,10 +56,10 @@ STORE_INIT = frozenset({"1b818a0cd8d9cf4d"})
 
 @dataclass
 class _Sizing:
-    """What the connector being built asked for; used by its one store."""
+    """The connector being built (its config, while its ``__init__`` runs); one store."""
 
     factor: float
-    explicit_max_bytes: int | None
+    vllm_config: Any
     used: bool = False
 
 
@@ -69,11 +77,10 @@ def _connector_init(params: Mapping[str, Any]) -> WrapperFn:
     factor = params["factor"]
 
     def init_with_headroom(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
-        vllm_config = kwargs.get("vllm_config")
-        aux_config = getattr(vllm_config, "aux_output_config", None)
-        if aux_config is None:
+        if "vllm_config" not in kwargs:  # not upstream's (keyword-only) call: no opinion
             return wrapped(*args, **kwargs)
-        token = _sizing.set(_Sizing(factor, aux_config.max_bytes))
+        # Read nothing here: upstream reads aux_output_config on the output rank only.
+        token = _sizing.set(_Sizing(factor, kwargs["vllm_config"]))
         try:
             return wrapped(*args, **kwargs)
         finally:
@@ -99,19 +106,22 @@ def _store_init(params: Mapping[str, Any]) -> WrapperFn:
             return wrapped(*args, **kwargs)  # not the connector's store, or upstream rejects it
         sizing.used = True
         base_slots = max_bytes // object_nbytes
-        if sizing.explicit_max_bytes is not None:
+        # Upstream read this on this path just before building the store (worker.py).
+        explicit_max_bytes = sizing.vllm_config.aux_output_config.max_bytes
+        if explicit_max_bytes is not None:
             wrapped(*args, **kwargs)
             logger.info(
                 "prime_r3 store_headroom: aux_output_config.max_bytes=%d is set explicitly; "
                 "keeping it: %d objects of %d bytes (%d bytes), no headroom added",
-                sizing.explicit_max_bytes,
+                explicit_max_bytes,
                 instance.num_slots,
                 object_nbytes,
                 instance.num_slots * object_nbytes,
             )
             return None
         slots = headroom_slots(base_slots, sizing.factor)
-        wrapped(max_bytes=slots * object_nbytes, object_nbytes=object_nbytes)
+        # Any other keyword goes through as given: upstream rejects it, and so do we.
+        wrapped(**{**kwargs, "max_bytes": slots * object_nbytes})
         logger.info(
             "prime_r3 store_headroom: aux-output store holds %d objects of %d bytes "
             "(%d bytes, %gx the %d objects vLLM derives from the KV cache); the arena is "

@@ -223,7 +223,7 @@ def _check(spec: PatchSpec, version: str | None) -> str | None:
     reason = guards.check_version(spec, version)
     if reason:
         return reason
-    return _check_items((*spec.targets, *spec.anchors))
+    return _check_items((*spec.targets, *spec.anchors_for(version)))
 
 
 def _check_items(items: Sequence[Target | Anchor], from_files: Iterable[str] = ()) -> str | None:
@@ -275,7 +275,8 @@ def _apply_spec(
     reason = _check(spec, version)
     if reason:
         return _outcome(spec, SKIPPED, reason)
-    modules = list(dict.fromkeys(t.module for t in (*spec.targets, *spec.anchors)))
+    anchors = spec.anchors_for(version)
+    modules = list(dict.fromkeys(t.module for t in (*spec.targets, *anchors)))
     ready = [m for m in modules if m in sys.modules]
     waiting = [m for m in modules if m not in sys.modules]
     if ready:
@@ -287,13 +288,14 @@ def _apply_spec(
     token = object()
     state.set_pending(spec.name, token, set(waiting))
     for module in waiting:
-        hook = functools.partial(_on_import, spec, token, module, params, requested)
+        hook = functools.partial(_on_import, spec, version, token, module, params, requested)
         wrapt.register_post_import_hook(hook, module)
     return _outcome(spec, PENDING, _waiting_reason(waiting))
 
 
 def _on_import(
     spec: PatchSpec,
+    version: str | None,
     token: object,
     module: str,
     params: Mapping[str, Any],
@@ -309,7 +311,7 @@ def _on_import(
         try:
             # The live objects are guarded again: another layer may have replaced one
             # since apply() checked the file.
-            unit = _unit_items(spec, [module])
+            unit = _unit_items(spec, version, [module])
             reason = _check_items(unit, waiting - {module}) or _install_units(
                 spec, [module], params
             )
@@ -338,14 +340,17 @@ def _on_import(
     )
 
 
-def _unit_items(spec: PatchSpec, modules: Sequence[str]) -> tuple[Target | Anchor, ...]:
+def _unit_items(
+    spec: PatchSpec, version: str | None, modules: Sequence[str]
+) -> tuple[Target | Anchor, ...]:
     """What to guard when ``modules`` are imported: their targets and every anchor.
 
     Targets elsewhere are already ours or still waiting; every anchor is checked
     again (live if its module is loaded, else from its file), as another layer may
     have replaced one since apply().
     """
-    return (*[t for t in spec.targets if t.module in modules], *spec.anchors)
+    targets = [t for t in spec.targets if t.module in modules]
+    return (*targets, *spec.anchors_for(version))
 
 
 def _install_units(

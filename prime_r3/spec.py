@@ -13,6 +13,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
 #: A wrapt wrapper: ``wrapper(wrapped, instance, args, kwargs) -> result``.
 WrapperFn = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 #: Builds a target's wrapper from the patch's parsed parameters.
@@ -72,10 +75,23 @@ class Anchor:
     module: str
     attr: str
     fingerprints: frozenset[str]
+    #: PEP 440 specifier of the releases that have this code ("" = every release the
+    #: patch covers): e.g. a method that one release split out of a caller we anchor.
+    releases: str = ""
 
     @property
     def key(self) -> str:
         return f"{self.module}:{self.attr}"
+
+    def exists_in(self, version: str | None) -> bool:
+        """Whether the release ``version`` has this code, so it must be checked there."""
+        if not self.releases or version is None:
+            return True
+        try:
+            release = Version(Version(version).base_version)
+        except InvalidVersion:
+            return True  # unparsable: check it; the version guard skips the patch anyway
+        return SpecifierSet(self.releases).contains(release, prereleases=True)
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,10 @@ class PatchSpec:
     #: Called after the patch's targets are removed (e.g. to undo a side effect).
     on_revert: Callable[[], None] | None = None
     notes: str = field(default="")
+
+    def anchors_for(self, version: str | None) -> tuple[Anchor, ...]:
+        """The anchors the installed release has (see ``Anchor.releases``)."""
+        return tuple(a for a in self.anchors if a.exists_in(version))
 
     def param(self, name: str) -> Param:
         for param in self.params:

@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     for spec in REGISTRY:
         for item in (*spec.targets, *spec.anchors):
             for where, read, release in sources:
+                if isinstance(item, Anchor) and not item.exists_in(release):
+                    print(f"{spec.name:16} {item.key:70} {'-':16}  {where} ({release})  [absent]")
+                    continue
                 try:
                     digest = fingerprint.of_name(item.module, item.attr, read)
                 except fingerprint.SourceUnavailable as error:

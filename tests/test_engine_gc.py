@@ -320,6 +320,18 @@ def test_shutdown_of_one_engine_keeps_thresholds_for_a_live_one(engine_env) -> N
     assert gc.get_threshold() == (700, 10, 10)
 
 
+def test_shutdown_called_through_the_class_counts_that_engine(engine_env) -> None:  # noqa: ANN001
+    """``EngineCore.shutdown(engine)`` works as upstream's function does and counts once."""
+    from vllm.v1.engine.core import EngineCore
+
+    monkeypatch, calls, vllm_config, executor = engine_env
+    client = _inproc_client(monkeypatch, vllm_config, executor, **ENGINE_GC)
+    EngineCore.shutdown(client.engine_core)
+    assert gc.get_threshold() == (700, 10, 10)
+    client.engine_core.shutdown()  # the same engine again, bound this time: counted once
+    assert gc.get_threshold() == (700, 10, 10)
+
+
 def test_thresholds_changed_by_the_user_after_init_are_kept_at_shutdown(engine_env) -> None:  # noqa: ANN001
     monkeypatch, calls, vllm_config, executor = engine_env
     client = _inproc_client(monkeypatch, vllm_config, executor, **ENGINE_GC)

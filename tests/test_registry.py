@@ -77,7 +77,7 @@ def test_installed_release_matches_a_verified_fingerprint_for_every_target_and_a
         if _fixed_upstream(spec, release):
             continue
         assert SpecifierSet(spec.vllm_range).contains(release), (spec.name, spec.vllm_range)
-        for item in (*spec.targets, *spec.anchors):
+        for item in (*spec.targets, *spec.anchors_for(version)):
             found = fingerprint.of_name(item.module, item.attr)
             assert found in item.fingerprints, f"vllm {version}: {spec.name}: {item.key} is {found}"
             checked += 1
@@ -111,11 +111,13 @@ def test_fingerprint_script_reads_a_source_tree_like_the_installed_vllm(capsys) 
     lines = capsys.readouterr().out.splitlines()
     # An item of a patch fixed upstream may still match (code it never changed).
     expected = [
-        ("[verified]", f"[fixed upstream in {spec.fixed_upstream_in}]")
+        ("[absent]",)  # an anchor of code this release does not have (Anchor.releases)
+        if item not in (*spec.targets, *spec.anchors_for(str(release)))
+        else ("[verified]", f"[fixed upstream in {spec.fixed_upstream_in}]")
         if spec.name in FIXED_UPSTREAM[str(release)]
         else ("[verified]",)
         for spec in REGISTRY
-        for _ in (*spec.targets, *spec.anchors)
+        for item in (*spec.targets, *spec.anchors)
     ]
     assert len(lines) == len(expected), lines
     for line, verdicts in zip(lines, expected, strict=True):
@@ -181,3 +183,30 @@ def test_relative_import_in_a_real_vllm_package_init() -> None:
     assert fingerprint.of_name("vllm.v1.executor", "UniProcExecutor") == (
         fingerprint.of_object(UniProcExecutor)
     )
+
+
+def test_a_release_scoped_anchor_is_checked_only_where_that_release_has_it(
+    reverted,  # noqa: ANN001
+) -> None:
+    """engine_gc's 0.33-only anchor (the warm-up body 0.33 split out, which holds the
+    freeze): checked on 0.33, where a changed body skips the patch; absent elsewhere."""
+    import dataclasses
+
+    spec = next(s for s in REGISTRY if s.name == "engine_gc")
+    body = next(a for a in spec.anchors if a.attr == "Worker._compile_or_warm_up_model")
+    version, release = _installed()
+    on_033 = str(release) == "0.33.0"
+    assert body.exists_in(version) is on_033
+    assert (body in spec.anchors_for(version)) is on_033
+    if not on_033:  # the scope is right: the method really is absent there
+        with pytest.raises(fingerprint.SourceUnavailable):
+            fingerprint.locate(body.module, body.attr)
+    changed = dataclasses.replace(body, fingerprints=frozenset({"0" * 16}))
+    patched = dataclasses.replace(
+        spec, anchors=tuple(changed if a is body else a for a in spec.anchors)
+    )
+    reason = layer._check(patched, version)  # noqa: SLF001
+    if on_033:
+        assert reason is not None and body.key in reason
+    else:
+        assert reason is None

@@ -74,11 +74,14 @@ def _engine_core_shutdown(params: Mapping[str, Any]) -> WrapperFn:
         in-process engine still running keeps its thresholds when another one stops.
         """
         global _live_engines
+        # Called through the class (``EngineCore.shutdown(engine)``), wrapt passes no
+        # instance: the engine is then the first argument, as for upstream's function.
+        engine = args[0] if instance is None and args else instance
         try:
             return wrapped(*args, **kwargs)
         finally:
-            if _live_engines > 0 and instance not in _engines_shut:
-                _engines_shut.add(instance)
+            if _live_engines > 0 and engine is not None and engine not in _engines_shut:
+                _engines_shut.add(engine)
                 _live_engines -= 1
                 if _live_engines == 0:
                     _restore_thresholds()
@@ -129,6 +132,8 @@ def _restore_thresholds() -> None:
 _FREEZE_GC_HEAP = frozenset({"1d7588fe2805731a"})
 _ENGINE_CORE_INIT = frozenset({"776cc0fd8c339734", "701c2d37f74c33d6", "642d0d7022c2d490"})
 _WORKER_WARM_UP = frozenset({"35945994940de9b5", "1489248a0da2619f", "855a911e315f7d0f"})
+# 0.33 moved the warm-up body, and its freeze, into this method (only 0.33 has it).
+_WORKER_WARM_UP_BODY = frozenset({"9c01be2e9a61f7f4"})
 _LIFESPAN = frozenset({"82e7ccf721d101b4"})
 _ENGINE_CORE_SHUTDOWN = frozenset({"02dc398505e70746"})
 
@@ -157,6 +162,12 @@ SPEC = PatchSpec(
         # The callers must still freeze exactly where we expect.
         Anchor("vllm.v1.engine.core", "EngineCore.__init__", _ENGINE_CORE_INIT),
         Anchor("vllm.v1.worker.gpu_worker", "Worker.compile_or_warm_up_model", _WORKER_WARM_UP),
+        Anchor(
+            "vllm.v1.worker.gpu_worker",
+            "Worker._compile_or_warm_up_model",
+            _WORKER_WARM_UP_BODY,
+            releases=">=0.33",
+        ),
         Anchor("vllm.entrypoints.launchers.utils.server_utils", "lifespan", _LIFESPAN),
     ),
     params=(

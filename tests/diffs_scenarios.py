@@ -86,6 +86,7 @@ def _release_store_module(site: Path) -> Any:
     spec = importlib.util.spec_from_file_location("diffs_release_store", site / STORE_FILE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     # Its functions raise and build through these names: share the tree's classes, so
     # the harness (which catches store_mod.BlockObjectStoreError) sees one error type.
@@ -517,10 +518,13 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--site", type=Path, required=True)
     parser.add_argument("--patched", type=Path)
+    parser.add_argument("--only", nargs="*", help="run these scenarios only (debugging)")
     args = parser.parse_args()
     ctx, meta = _setup(args.mode, args.site.resolve(), args.patched and args.patched.resolve())
     results: dict[str, Any] = {"meta": meta}
     for name, (patch, function) in SCENARIOS.items():
+        if args.only and name not in args.only:
+            continue
         if patch not in ctx.applicable:
             results[name] = {"not_applicable": patch}
             continue

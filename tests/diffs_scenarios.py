@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import gc
 import importlib.util
 import inspect
@@ -230,29 +232,48 @@ def retained_nbytes(rows: np.ndarray) -> int:
     return memoryview(base).nbytes
 
 
+def packed_helpers() -> Any:
+    """``tests/test_packed_outputs.py`` (make_step, outcome, TAKE, _run_worker_steps).
+
+    It binds ``TAKE = AuxOutputSchedulerConnector().take_output`` at import. From vLLM
+    0.33 the constructor needs a KV cache manager, which ``take_output`` never reads,
+    so there the import runs with a constructor that sets nothing (restored at once).
+    """
+    if "tests.test_packed_outputs" in sys.modules:
+        return sys.modules["tests.test_packed_outputs"]
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+    needs_args = len(inspect.signature(AuxOutputSchedulerConnector.__init__).parameters) > 1
+    monkeypatch = pytest.MonkeyPatch()
+    if needs_args:
+        monkeypatch.setattr(AuxOutputSchedulerConnector, "__init__", lambda self: None)
+    try:
+        import tests.test_packed_outputs as module
+    finally:
+        monkeypatch.undo()
+    return module
+
+
 def _take_report(output: Any, requests: list[Any]) -> list[tuple[Any, ...]]:
     """take_output's outcome per request, and what its rows keep alive and allow."""
-    from tests.test_packed_outputs import TAKE, outcome
-
+    helpers = packed_helpers()
     report = []
     for request in requests:
         try:
-            rows = TAKE(request, output)
+            rows = helpers.TAKE(request, output)
         except AssertionError:
             rows = None
         kept = None if rows is None else (retained_nbytes(rows), bool(rows.flags.writeable))
-        report.append((outcome(request, output), kept))
+        report.append((helpers.outcome(request, output), kept))
     return report
 
 
 def _worker_steps(ctx: Context) -> list[dict[str, Any]]:
     import pickle as pickle_mod
 
-    from tests.test_packed_outputs import _run_worker_steps
-
     steps = []
     for seed in (5, 6, 7):
-        for output, requests in _run_worker_steps(seed):
+        for output, requests in packed_helpers()._run_worker_steps(seed):
             ids = list(output) if ctx.overlay else list(output.request_ids)
             received = pickle_mod.loads(pickle_mod.dumps(output, protocol=5))
             steps.append(
@@ -310,8 +331,7 @@ def scenario_packed_message_queue(ctx: Context) -> dict[str, Any]:
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
     from vllm.v1.outputs import ModelRunnerOutput
 
-    from tests.test_packed_outputs import make_step
-
+    make_step = packed_helpers().make_step
     reports = []
     process_ctx = multiprocessing.get_context("fork")
     for max_chunk_bytes in (24 << 20, 256 << 10):  # in shared memory, and overflowing it
@@ -349,9 +369,7 @@ def scenario_ray_detach(ctx: Context) -> dict[str, Any]:
         return {"skipped": "this vLLM has no Ray zero-copy detach"}
     from vllm.v1.outputs import ModelRunnerOutput
 
-    from tests.test_packed_outputs import make_step
-
-    outputs, requests = make_step(np.random.default_rng(31), 200)
+    outputs, requests = packed_helpers().make_step(np.random.default_rng(31), 200)
     buffers: list[pickle.PickleBuffer] = []
     data = pickle.dumps(_pack(ctx, outputs, np.uint8, (46, 8)), 5, buffer_callback=buffers.append)
     # Out-of-band buffers come back read-only, as Ray hands them over.
@@ -372,12 +390,30 @@ def _source_segment(function: Callable[..., Any], first: str, stop: str) -> str:
     return textwrap.dedent("\n".join(lines[start:end]))
 
 
+def _warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real ``Worker.compile_or_warm_up_model`` on ``test_engine_gc``'s CPU stand-in.
+
+    vLLM 0.33 runs the warm-up as ``_compile_or_warm_up_model`` inside the model
+    runner's ``eplb.suppress()``; the stand-in gets both where the release has them.
+    """
+    import vllm.v1.worker.gpu_worker as gpu_worker
+
+    from tests.test_engine_gc import _worker_self
+
+    worker = _worker_self()
+    inner = getattr(gpu_worker.Worker, "_compile_or_warm_up_model", None)
+    if inner is not None:
+        worker._compile_or_warm_up_model = functools.partial(inner, worker)
+        worker.model_runner.eplb = SimpleNamespace(suppress=contextlib.nullcontext)
+    for name in ("kernel_warmup", "set_random_seed", "enable_gpu_sync_check"):
+        monkeypatch.setattr(gpu_worker, name, lambda *a, **k: None)
+    gpu_worker.Worker.compile_or_warm_up_model(worker)
+
+
 def _gc_run(ctx: Context, tag: str) -> list[tuple[str, tuple[int, int, int], int]]:
     """Worker warm-ups, EngineCore's freeze and shutdown, the API server's lifespan."""
     import vllm.entrypoints.launchers.utils.server_utils as server_utils
     import vllm.v1.engine.core as core
-
-    from tests.test_engine_gc import _warm_up
 
     monkeypatch = pytest.MonkeyPatch()
     freezes: list[int] = []

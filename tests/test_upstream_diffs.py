@@ -15,6 +15,7 @@ parity harnesses; here the two runs must agree.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pickle
 import shutil
@@ -155,6 +156,7 @@ def _run_scenarios(mode: str, out: Path, patched: Path) -> subprocess.Popen[str]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PRIME_R3", "VLLM_GC_"))}
     env.pop("VLLM_AUX_OUTPUT_STORE_HEADROOM", None)
     env["VLLM_TARGET_DEVICE"] = "cpu"
+    env["VLLM_LOGGING_LEVEL"] = "ERROR"  # growth warnings would bury a failure's traceback
     path = [str(ROOT)]
     if mode == "diffs":
         env["PRIME_R3"] = "0"
@@ -312,3 +314,25 @@ def test_gc_thresholds_match(results: dict[str, Any]) -> None:
     before, after = diffs["values"][""]
     assert before == after  # empty: CPython's thresholds kept
     assert diffs["values"]["50_000,20,100"][1] == (50_000, 20, 100)
+
+
+def test_overlay_skips_every_patch_on_the_patched_tree(patched_tree: Path) -> None:
+    """Installing prime_r3 into an image built with the diffs cannot apply a fix twice."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_R3")}
+    env |= {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(patched_tree), str(ROOT)]),
+    }
+    code = (
+        "import json, prime_r3, vllm\n"
+        "print(json.dumps([vllm.__file__, "
+        "{o.name: [o.state, o.reason] for o in prime_r3.status().outcomes}]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    vllm_file, outcomes = json.loads(result.stdout.strip().splitlines()[-1])
+    assert Path(vllm_file).is_relative_to(patched_tree)
+    for name in EXPECTED[RELEASE]:
+        state, reason = outcomes[name]
+        assert state == "skipped" and reason.startswith("target source changed"), (name, reason)

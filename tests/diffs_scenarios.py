@@ -25,6 +25,7 @@ import os
 import pickle
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -545,10 +546,17 @@ def _setup(mode: str, site: Path, patched: Path | None) -> tuple[Context, dict[s
             o.name for o in prime_r3.apply(log=False).outcomes if o.state == "applied"
         )
         assert meta["applied"] == []
+        # What the overlay would do here if it were enabled (installed in an image built
+        # with the diffs): every patch must skip.
+        enabled = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_R3")}
+        meta["overlay_if_enabled"] = {
+            o.name: (o.state, o.reason) for o in prime_r3.status(enabled).outcomes
+        }
     return Context(mode, site, applicable), meta
 
 
 def main() -> None:
+    started = time.perf_counter()
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["overlay", "diffs"])
     parser.add_argument("out", type=Path)
@@ -558,13 +566,16 @@ def main() -> None:
     args = parser.parse_args()
     ctx, meta = _setup(args.mode, args.site.resolve(), args.patched and args.patched.resolve())
     results: dict[str, Any] = {"meta": meta}
+    meta["seconds"] = {"setup": round(time.perf_counter() - started, 1)}
     for name, (patch, function) in SCENARIOS.items():
         if args.only and name not in args.only:
             continue
         if patch not in ctx.applicable:
             results[name] = {"not_applicable": patch}
             continue
+        began = time.perf_counter()
         results[name] = function(ctx)
+        meta["seconds"][name] = round(time.perf_counter() - began, 1)
     args.out.write_bytes(pickle.dumps(results))
 
 

@@ -107,6 +107,16 @@ def test_diffs_apply_cleanly_to_the_installed_release() -> None:
     assert (found.state, found.problems) == ("pristine", [])
 
 
+def test_each_diff_also_applies_alone(tmp_path: Path) -> None:
+    """Like PRIME_R3_PATCHES for the overlay, any one fix can be built in by itself."""
+    for diff in patches.series(RELEASE):
+        work = tmp_path / diff.name
+        for file in diff.files:
+            (work / file).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(SITE / file, work / file)
+        patches._run_patch(diff, work)
+
+
 @pytest.fixture(scope="session")
 def patched_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One patched copy of the installed vllm package per session."""

@@ -141,7 +141,10 @@ def _run_patch(diff: Diff, root: Path, *, reverse: bool = False, dry_run: bool =
     command += ["--reverse"] if reverse else ["--forward"]
     command += ["--dry-run"] if dry_run else []
     command += ["-i", str(diff.path)]
-    result = subprocess.run(command, cwd=root, capture_output=True, text=True, check=False)
+    try:
+        result = subprocess.run(command, cwd=root, capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise PatchError("GNU patch is needed (apt-get install patch)") from None
     if result.returncode != 0:
         how = "reverse" if reverse else "forward"
         raise PatchError(

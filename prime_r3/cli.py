@@ -3,16 +3,38 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from typing import Any
 
-from prime_r3 import layer
+from prime_r3 import config, layer
 from prime_r3.config import ConfigError
 
 
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
 def _status(args: argparse.Namespace) -> int:
-    report = layer.status()
+    # The environment the plugin would take its settings from here (a Ray worker node
+    # of a remote head: the head's).
+    environ, note = config.settings_environ()
+    report = layer.status(environ)
+    # Parsed the same way apply() parses them (status() above already raised if bad).
+    settings = config.from_env(layer.registry(), environ).values
     if args.json:
-        print(report.to_json())
+        data = json.loads(report.to_json())
+        data["settings"] = [
+            {
+                "var": s.var,
+                "value": _plain(s.value),
+                "default": _plain(s.default),
+                "source": "env" if s.from_env else "default",
+                "overlay": s.var not in config.SETUP_VARS,
+            }
+            for s in settings
+        ]
+        print(json.dumps(data, indent=2))
         return 0
     print(f"prime_r3 on vllm {report.vllm_version}")
     for o in report.outcomes:
@@ -24,7 +46,20 @@ def _status(args: argparse.Namespace) -> int:
             layer.DISABLED: f"disabled by env: {o.reason}",
         }.get(o.state, o.state)
         print(f"  {o.name:16} vllm{o.vllm_range:14} [{', '.join(o.processes)}]  {state}")
+    print("settings:" + (f" ({note})" if note else ""))
+    for s in settings:
+        shown = "unset" if s.value is None else _show(s.value)
+        source = "from env" if s.from_env else "default"
+        if s.var in config.SETUP_VARS:
+            source += "; read by scripts/ensure_env.sh only"
+        print(f"  {s.var:34} {shown:20} ({source})")
     return 0
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -42,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     from prime_r3.bench.command import add_arguments
 
     bench = sub.add_parser(
-        "bench", help="CPU engine-step simulator: R3 cost and row parity, with/without prime_r3"
+        "bench",
+        help="CPU engine-step simulator: R3 cost and row parity, with/without prime_r3",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_arguments(bench)
     bench.set_defaults(func=_bench)

@@ -6,10 +6,14 @@ failed; the layer turns a reason into a logged skip and leaves the target untouc
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import os
 import sys
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +21,7 @@ import wrapt
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from prime_r3 import fingerprint
+from prime_r3 import fingerprint, state
 from prime_r3.spec import Anchor, PatchSpec, Target
 
 
@@ -78,29 +82,51 @@ def resolve(target: Target | Anchor) -> Resolved | str:
 
 
 def check_source(target: Target | Anchor, resolved: Resolved) -> str | None:
-    """Guard a live object: its source is a verified one and nobody replaced it."""
-    function = resolved.function
+    """Guard a live object: its source is a verified one and it is upstream's plain object.
+
+    The definition is located from the files (following imports), never from the
+    object's own ``__module__`` / ``__qualname__``, which a look-alike wrapper copies.
+    """
+    kind = "anchor" if isinstance(target, Anchor) else "target"
     try:
-        found = fingerprint.of_object(function)
+        definition = fingerprint.locate(target.module, target.attr)
     except fingerprint.SourceUnavailable as error:
-        return f"target {target.key} source unavailable: {error}"
-    reason = _compare(target, found)
-    if reason is None and isinstance(target, Target) and not _is_plain_upstream(function):
-        return f"target {target.key} is already replaced by another layer ({function!r})"
-    return reason
+        return f"{kind} {target.key} source unavailable: {error}"
+    reason = _compare(target, definition.fingerprint())
+    if reason is not None:
+        return reason
+    # prime_r3's own wrappers are transparent for anchors (store_growth anchors the
+    # class whose _evict_to_fit store_eviction wraps), never for targets: a target
+    # already wrapped by us is handled as "in force" by the layer, not stacked on.
+    why = not_plain(resolved.raw, definition, ours_ok=isinstance(target, Anchor))
+    if why is not None:
+        return (
+            f"{kind} {target.key} is not upstream's plain object, so another layer replaced "
+            f"or wrapped it: {why}"
+        )
+    return None
 
 
 def check_unimported(target: Target | Anchor) -> str | None:
-    """Guard a target in a module not imported yet, from its file, importing nothing."""
+    """Guard a target in a module not imported yet, from its file, importing nothing.
+
+    Only the source can be checked; the layer re-checks the live object when the
+    module is imported.
+    """
+    kind = "anchor" if isinstance(target, Anchor) else "target"
     try:
         found = fingerprint.of_name(target.module, target.attr)
     except fingerprint.SourceUnavailable as error:
-        return f"target {target.key} source unavailable: {error}"
+        return f"{kind} {target.key} source unavailable: {error}"
     return _compare(target, found)
 
 
 def check(target: Target | Anchor) -> str | None:
-    """Every source guard of one item; never imports a module that is not loaded."""
+    """Every source guard of one item; never imports a module that is not loaded.
+
+    A loaded module's live object is checked (source and plainness); an unloaded
+    one's source from its file.
+    """
     if target.module not in sys.modules:
         return check_unimported(target)
     resolved = resolve(target)
@@ -118,19 +144,187 @@ def _compare(target: Target | Anchor, found: str) -> str | None:
     )
 
 
-def _is_plain_upstream(function: Any) -> bool:
-    """True if ``function``'s code lives in the file of the module it claims to be from.
+def not_plain(obj: Any, definition: fingerprint.Definition, ours_ok: bool = False) -> str | None:
+    """Why ``obj`` is not the object upstream's ``definition`` creates (None if it is).
 
-    A wrapper installed by someone else (wrapt proxy, functools.wraps closure) fails
-    this even when it copied the original's name, so we never stack on a layer whose
-    behaviour we have not verified.
+    Plain means: a function whose code object was compiled from that very ``def``
+    (same file, first line and name, no ``__wrapped__``, not a proxy), under at most
+    the wrapper layers its own decorators add, each from the decorator's package; a
+    class that is the one defined there, whose methods defined there are all its own
+    and plain. ``functools.wraps`` copies names, module and ``__doc__``, and a wrapt
+    proxy even fakes ``__class__`` and ``__code__``; neither produces such a code
+    object, and a wrapper defined in the upstream file itself starts at another line.
     """
-    code = getattr(function, "__code__", None)
-    if code is None or isinstance(function, wrapt.ObjectProxy):
-        return False
-    module = sys.modules.get(getattr(function, "__module__", "") or "")
-    source_file = getattr(module, "__file__", None)
+    if isinstance(definition.node, ast.ClassDef):
+        return _not_plain_class(obj, definition, ours_ok)
+    return _not_plain_function(obj, definition, [definition.node], definition.qualname, ours_ok)
+
+
+_STRUCTURAL = {"staticmethod", "classmethod", "property", "setter", "getter", "deleter"}
+
+
+def _not_plain_function(
+    obj: Any,
+    definition: fingerprint.Definition,
+    nodes: list[Any],
+    qualname: str,
+    ours_ok: bool,
+) -> str | None:
+    obj, layers = _peel(obj, ours_ok)
+    if type(obj) is not types.FunctionType:
+        return f"{type(obj).__name__} object instead of upstream's function {qualname}"
+    code = obj.__code__
+    path = definition.text.path
+    lines = sorted(_first_line(node) for node in nodes)
+    if (
+        code.co_name != nodes[0].name
+        or code.co_firstlineno not in lines
+        or obj.__qualname__ != qualname
+        or not _same_file(code.co_filename, path)
+    ):
+        return (
+            f"code of {obj.__qualname__} is {code.co_filename}:{code.co_firstlineno}, "
+            f"upstream defines {qualname} at {path}:{lines[-1]}"
+        )
+    decorators = [d for node in nodes for d in node.decorator_list if _adds_layer(d)]
+    if len(layers) > len(decorators):
+        return f"{len(layers)} wrapper(s) over {qualname}, its decorators add {len(decorators)}"
+    return _foreign_layer(layers, definition, decorators, qualname)
+
+
+def _peel(obj: Any, ours_ok: bool) -> tuple[Any, list[Any]]:
+    """The innermost object under ``obj`` and the wrapper layers above it, outermost first."""
+    layers: list[Any] = []
+    while len(layers) < 64:  # a __wrapped__ cycle ends here, as too many layers
+        if ours_ok and state.is_object_patched(obj):
+            obj = obj.__wrapped__
+        elif type(obj) in (staticmethod, classmethod):  # both have __wrapped__ since 3.10
+            obj = obj.__func__
+        elif isinstance(obj, wrapt.ObjectProxy) or hasattr(obj, "__wrapped__"):
+            layers.append(obj)
+            obj = obj.__wrapped__
+        else:
+            break
+    return obj, layers
+
+
+def _foreign_layer(
+    layers: list[Any],
+    definition: fingerprint.Definition,
+    decorators: list[ast.expr],
+    qualname: str,
+) -> str | None:
+    """Why one of ``layers`` is not made by ``decorators`` (None if all can be)."""
+    roots = [root for d in decorators for root in _decorator_roots(definition, d)]
+    for layer in layers:
+        if type(layer) is not types.FunctionType:
+            return f"{qualname} is wrapped by a {type(layer).__name__}"
+        where = layer.__code__.co_filename
+        if not any(_under(where, root) for root in roots):
+            return f"{qualname} is wrapped by code from {where}, not by its decorators"
+    return None
+
+
+def _not_plain_class(obj: Any, definition: fingerprint.Definition, ours_ok: bool) -> str | None:
+    qualname = definition.qualname
+    if not issubclass(type(obj), type):  # type(): a proxy's __class__ says "type"
+        return f"{type(obj).__name__} object instead of upstream's class {qualname}"
+    if (obj.__module__, obj.__qualname__) != (definition.module, qualname):
+        return f"class {obj.__module__}.{obj.__qualname__} instead of upstream's {qualname}"
+    if any((b.__module__, b.__qualname__) == (obj.__module__, qualname) for b in obj.__mro__[1:]):
+        return f"a subclass stands in for {qualname}"
+    members = vars(obj)
+    methods: dict[str, list[Any]] = {}
+    for stmt in definition.node.body:
+        if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef):
+            methods.setdefault(stmt.name, []).append(stmt)
+    for name, nodes in methods.items():
+        if name not in members:
+            return f"{qualname}.{name} is not defined on the class (a subclass stands in)"
+        for function in _functions_of(members[name]):
+            why = _not_plain_function(function, definition, nodes, f"{qualname}.{name}", ours_ok)
+            if why is not None:
+                return why
+    # Members the class decorators generate (dataclass __init__, __eq__, __repr__
+    # under reprlib's wrapper) are compiled from strings, wrapped only by code of the
+    # decorators' packages; a method added from a file is another layer's.
+    decorators = [d for d in definition.node.decorator_list if _adds_layer(d)]
+    for name, value in members.items():
+        if name in methods or not callable(value) or isinstance(value, type):
+            continue
+        inner, layers = _peel(value, ours_ok)
+        code = getattr(inner, "__code__", None)
+        if code is not None and code.co_filename[:1] != "<":
+            return f"{qualname}.{name} comes from {code.co_filename}, not from upstream's class"
+        why = _foreign_layer(layers, definition, decorators, f"{qualname}.{name}")
+        if why is not None:
+            return why
+    return None
+
+
+def _functions_of(member: Any) -> list[Any]:
+    if type(member) is property:
+        return [f for f in (member.fget, member.fset, member.fdel) if f is not None]
+    if type(member) is functools.cached_property:
+        return [member.func]
+    return [member]
+
+
+def _first_line(node: Any) -> int:
+    return min([node.lineno] + [d.lineno for d in node.decorator_list])
+
+
+def _adds_layer(decorator: ast.expr) -> bool:
+    name = decorator.attr if isinstance(decorator, ast.Attribute) else getattr(decorator, "id", "")
+    return name not in _STRUCTURAL
+
+
+def _root_name(expr: ast.expr) -> str | None:
+    while isinstance(expr, ast.Call | ast.Attribute):
+        expr = expr.func if isinstance(expr, ast.Call) else expr.value
+    return expr.id if isinstance(expr, ast.Name) else None
+
+
+def _decorator_roots(definition: fingerprint.Definition, decorator: ast.expr) -> tuple[str, ...]:
+    """Where a decorator's wrapper code may live: its top-level package's files.
+
+    ``@instrument(...)`` imported from ``vllm.tracing`` wraps with code in
+    ``vllm/tracing/otel.py``; ``@asynccontextmanager`` with code in ``contextlib``.
+    """
+    name = _root_name(decorator)
+    top = definition.module.split(".")[0]  # defined in the module itself
+    for stmt in fingerprint.parse(definition.text.source).body:
+        if isinstance(stmt, ast.Import):
+            for alias in stmt.names:
+                if (alias.asname or alias.name.split(".")[0]) == name:
+                    top = alias.name.split(".")[0]
+    origin = fingerprint.imported_from(definition.text, definition.module, name or "")
+    if origin is not None:
+        top = origin[0].split(".")[0]
+    return _package_roots(top)
+
+
+@functools.lru_cache(maxsize=64)
+def _package_roots(top: str) -> tuple[str, ...]:
     try:
-        return source_file is not None and os.path.samefile(code.co_filename, source_file)
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return ()
+    if spec is None:
+        return ()
+    return tuple(spec.submodule_search_locations or ([spec.origin] if spec.origin else []))
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return bool(a and b) and os.path.samefile(a, b)
     except OSError:  # a file is gone (e.g. an image shipping only .pyc): cannot tell
+        return False
+
+
+def _under(path: str, root: str) -> bool:
+    try:
+        path, root = os.path.realpath(path), os.path.realpath(root)
+        return path == root or os.path.commonpath([path, root]) == root
+    except ValueError:
         return False

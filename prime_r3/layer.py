@@ -226,10 +226,20 @@ def _check(spec: PatchSpec, version: str | None) -> str | None:
     return _check_items((*spec.targets, *spec.anchors))
 
 
-def _check_items(items: Sequence[Target | Anchor]) -> str | None:
+def _check_items(items: Sequence[Target | Anchor], from_files: Iterable[str] = ()) -> str | None:
+    """Guard ``items``; those in ``from_files`` are checked from their files only.
+
+    An import hook passes the modules still awaited: one may be in ``sys.modules``
+    half-executed (it imports the module whose hook runs now), its names not yet
+    defined; its own hook checks it live once it is complete.
+    """
+    unfinished = set(from_files)
     for item in items:
         try:
-            reason = guards.check(item)
+            if item.module in unfinished:
+                reason = guards.check_unimported(item)
+            else:
+                reason = guards.check(item)
         except Exception as error:  # noqa: BLE001 - a guard that breaks means "skip"
             reason = f"guard of {item.key} failed: {type(error).__name__}: {error}"
         if reason:
@@ -256,13 +266,16 @@ def _apply_spec(
 ) -> Outcome:
     """Check every guard now; install targets whose modules are loaded, hook the rest.
 
-    Targets of modules not loaded yet are verified from their files up front, so a
-    changed upstream skips the whole patch here, before any of its targets can run.
+    Targets and anchors of modules not loaded yet are verified from their files up
+    front, so a changed upstream skips the whole patch here, before any of its targets
+    can run. Their live objects are verified when each module is imported (an anchor's
+    module too, though it holds nothing to install): a layer that replaced one by then
+    rolls the whole patch back.
     """
     reason = _check(spec, version)
     if reason:
         return _outcome(spec, SKIPPED, reason)
-    modules = list(dict.fromkeys(t.module for t in spec.targets))
+    modules = list(dict.fromkeys(t.module for t in (*spec.targets, *spec.anchors)))
     ready = [m for m in modules if m in sys.modules]
     waiting = [m for m in modules if m not in sys.modules]
     if ready:
@@ -287,7 +300,8 @@ def _on_import(
     requested: bool,
     _module_object: object,
 ) -> None:
-    """Post-import hook: install this module's targets, or roll the whole patch back."""
+    """Post-import hook: guard this module's live objects and install its targets,
+    or roll the whole patch back."""
     with state.lock():
         waiting = state.pending_modules(spec.name, token)
         if waiting is None or module not in waiting:
@@ -295,7 +309,8 @@ def _on_import(
         try:
             # The live objects are guarded again: another layer may have replaced one
             # since apply() checked the file.
-            reason = _check_items(_unit_items(spec, [module])) or _install_units(
+            unit = _unit_items(spec, [module])
+            reason = _check_items(unit, waiting - {module}) or _install_units(
                 spec, [module], params
             )
         except Exception as error:  # noqa: BLE001 - never break vLLM's import
@@ -324,15 +339,13 @@ def _on_import(
 
 
 def _unit_items(spec: PatchSpec, modules: Sequence[str]) -> tuple[Target | Anchor, ...]:
-    """What to guard before installing the targets in ``modules``.
+    """What to guard when ``modules`` are imported: their targets and every anchor.
 
-    Anchors in those modules go with them; anchors in modules holding no target (e.g.
-    the consumer of a producer we patch) go with every unit.
+    Targets elsewhere are already ours or still waiting; every anchor is checked
+    again (live if its module is loaded, else from its file), as another layer may
+    have replaced one since apply().
     """
-    target_modules = {t.module for t in spec.targets}
-    targets = [t for t in spec.targets if t.module in modules]
-    anchors = [a for a in spec.anchors if a.module in modules or a.module not in target_modules]
-    return (*targets, *anchors)
+    return (*[t for t in spec.targets if t.module in modules], *spec.anchors)
 
 
 def _install_units(

@@ -1,34 +1,55 @@
 #!/usr/bin/env bash
-# Create (first time) or reuse .venv/ with vLLM 0.32.0 on the CPU build of torch 2.13.0.
-# Reruns check what is installed and install only what is missing or wrong.
+# Create (first time) or reuse the environment for one vLLM release (VLLM_VERSION, default
+# 0.32.0; see release.sh), on the CPU build of torch 2.13.0 that lies on this machine's disk.
+# Reruns read package metadata and install only what is missing or wrong.
+#
+# vLLM itself is installed with --no-deps, over its own requirements minus the torch family:
+# 0.31.0 and 0.32.0 pin torch 2.13.0, which the local CPU build satisfies; 0.33.0 pins torch
+# 2.14.0, which PyPI only has as the multi-GB CUDA build, so it gets the CPU 2.13.0 build too
+# (torchvision, torchaudio and torchcodec are never installed: they fail to load beside the CPU
+# torch). The setup then imports and runs every vLLM module prime_r3 touches on that torch
+# (scripts/verify_env.py) and records the result, so a release that does not run this way
+# fails here, not in a test.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="$ROOT/.venv"
+# shellcheck source=release.sh
+. "$ROOT/scripts/release.sh"
 PY="${PRIME_R3_PYTHON:-$(command -v python3.11 || command -v python3)}"
+TORCH="2.13.0"
 
 if [ ! -x "$VENV/bin/python" ]; then
-    echo "prime_r3: creating $VENV" >&2
+    echo "prime_r3: creating $VENV for vLLM $VLLM_RELEASE" >&2
     "$PY" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
 fi
 PIP=("$VENV/bin/python" -m pip install -q)
 
-missing="$("$VENV/bin/python" "$ROOT/scripts/check_env.py" "$ROOT" || true)"
+missing="$("$VENV/bin/python" "$ROOT/scripts/check_env.py" "$ROOT" "$VLLM_RELEASE" "$TORCH" || true)"
 [ -z "$missing" ] && exit 0
-echo "prime_r3: setting up .venv ($missing)" >&2
+echo "prime_r3: setting up $VENV for vLLM $VLLM_RELEASE ($missing)" >&2
 
-case " $missing " in *" torch "*) "${PIP[@]}" torch==2.13.0 ;; esac
-# torch first: vLLM 0.32.0's pins accept the local CPU build, so pip keeps it.
-case " $missing " in *" vllm "*) "${PIP[@]}" vllm==0.32.0 ;; esac
-case " $missing " in *" tools "*) "${PIP[@]}" wrapt numpy packaging pytest ruff tqdm matplotlib ;; esac
-# --no-deps: resolving vllm's deps again would bring back the broken torchvision.
+case " $missing " in *" torch "*) "${PIP[@]}" "torch==$TORCH" ;; esac
+case " $missing " in *" vllm "*)
+    wheels="$(mktemp -d)"
+    "$VENV/bin/python" -m pip download -q --no-deps -d "$wheels" "vllm==$VLLM_RELEASE"
+    "$VENV/bin/python" "$ROOT/scripts/vllm_requirements.py" "$wheels"/vllm-*.whl > "$wheels/req.txt"
+    echo "torch==$TORCH" > "$wheels/constraints.txt"
+    "${PIP[@]}" -r "$wheels/req.txt" -c "$wheels/constraints.txt"
+    "${PIP[@]}" --no-deps "$wheels"/vllm-*.whl
+    rm -rf "$wheels"
+    ;;
+esac
+case " $missing " in *" tools "*)
+    "${PIP[@]}" -c <(echo "torch==$TORCH") wrapt numpy packaging pytest ruff tqdm matplotlib ;;
+esac
+# --no-deps: prime_r3's own dependency on vllm must not re-resolve vLLM's pins.
 case " $missing " in *" prime_r3 "*) "${PIP[@]}" --no-deps -e "$ROOT" ;; esac
-# PyPI's torchvision/torchaudio/torchcodec fail to load beside the CPU torch
-# ("operator torchvision::nms does not exist") and break `import vllm`.
+# An environment made before this script skipped them still has the broken extras.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
-still="$("$VENV/bin/python" "$ROOT/scripts/check_env.py" "$ROOT" || true)"
+"$VENV/bin/python" "$ROOT/scripts/verify_env.py" "$VLLM_RELEASE" "$TORCH"
+still="$("$VENV/bin/python" "$ROOT/scripts/check_env.py" "$ROOT" "$VLLM_RELEASE" "$TORCH" || true)"
 if [ -n "$still" ]; then
-    echo "prime_r3: environment still not right after install: $still" >&2
+    echo "prime_r3: environment for vLLM $VLLM_RELEASE still not right after install: $still" >&2
     exit 1
 fi

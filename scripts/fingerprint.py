@@ -5,7 +5,9 @@
 
 ``--root`` points at a directory holding a ``vllm/`` source tree (e.g. an unzipped
 ``pip download --no-deps vllm==0.33.0`` wheel), so other releases can be verified
-without installing them. Paste verified values into the patch's record.
+without installing them. Paste verified values into the patch's record. Each line ends
+with ``[verified]``, ``[fixed upstream in X]`` / ``[outside RANGE]`` (the patch skips
+on that release by version, so no fingerprint is needed) or ``[NEW]`` (exit status 1).
 """
 
 from __future__ import annotations
@@ -13,45 +15,72 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-from collections.abc import Callable
 
-from prime_r3 import fingerprint
+from prime_r3 import fingerprint, guards
 from prime_r3.patches import REGISTRY
+from prime_r3.spec import Anchor, PatchSpec, Target
 
 
-def _wheel_reader(root: str) -> Callable[[str], str]:
-    """Read a module's source from a directory holding an unpacked ``vllm/`` tree."""
+def _wheel_reader(root: str) -> fingerprint.Reader:
+    """Read a module's text from a directory holding an unpacked ``vllm/`` tree."""
 
-    def read(module_name: str) -> str:
+    def read(module_name: str) -> fingerprint.ModuleText:
         base = pathlib.Path(root, *module_name.split("."))
-        for path in (base.with_suffix(".py"), base / "__init__.py"):
+        for path, is_package in ((base.with_suffix(".py"), False), (base / "__init__.py", True)):
             if path.is_file():
-                return path.read_text()
+                return fingerprint.ModuleText(path.read_text(), str(path), is_package)
         raise fingerprint.SourceUnavailable(f"no {module_name} under {root}")
 
     return read
 
 
+def _release(root: str | None) -> str | None:
+    """The vLLM release a tree holds, from its ``vllm-*.dist-info`` (None if unknown)."""
+    if root is None:
+        return guards.installed_vllm_version()
+    for metadata in sorted(pathlib.Path(root).glob("vllm-*.dist-info/METADATA")):
+        for line in metadata.read_text().splitlines():
+            if line.startswith("Version:"):
+                return line.split(":", 1)[1].strip()
+    return None
+
+
+def verdict(spec: PatchSpec, item: Target | Anchor, digest: str, release: str | None) -> str:
+    """``verified``, or why a digest that is not verified is expected (or ``NEW``).
+
+    A patch fixed upstream in a release, or outside its range, skips there on the
+    version alone, so its targets need no fingerprint of that release.
+    """
+    if digest in item.fingerprints:
+        return "verified"
+    reason = guards.check_version(spec, release) if release is not None else None
+    if reason is not None and "fixed upstream" in reason:
+        return f"fixed upstream in {spec.fixed_upstream_in}"
+    if reason is not None and "outside the verified range" in reason:
+        return f"outside {spec.vllm_range}"
+    return "NEW"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Print one line per item and tree; exit 1 if any item needs verifying (``NEW``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", action="append", default=[], help="dir containing vllm/")
     args = parser.parse_args(argv)
-    sources: list[tuple[str, Callable[[str], str] | None]] = [
-        (root, _wheel_reader(root)) for root in args.root
-    ] or [("installed", None)]
+    sources: list[tuple[str, fingerprint.Reader | None, str | None]] = [
+        (root, _wheel_reader(root), _release(root)) for root in args.root
+    ] or [("installed", None, _release(None))]
+    new = 0
     for spec in REGISTRY:
         for item in (*spec.targets, *spec.anchors):
-            found = []
-            for where, read in sources:
+            for where, read, release in sources:
                 try:
                     digest = fingerprint.of_name(item.module, item.attr, read)
                 except fingerprint.SourceUnavailable as error:
                     digest = f"unavailable ({error})"
-                found.append((where, digest))
-            known = "verified" if all(d in item.fingerprints for _, d in found) else "NEW"
-            for where, digest in found:
-                print(f"{spec.name:16} {item.key:70} {digest}  {where}  [{known}]")
-    return 0
+                known = verdict(spec, item, digest, release)
+                new += known == "NEW"
+                print(f"{spec.name:16} {item.key:70} {digest}  {where} ({release})  [{known}]")
+    return 1 if new else 0
 
 
 if __name__ == "__main__":

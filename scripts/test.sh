@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Run the test suite in .venv/ (created on first use). Extra arguments go to pytest.
+# Run the test suite in the environment of one vLLM release (VLLM_VERSION, default 0.32.0 in
+# .venv/; see scripts/release.sh), set up on first use. Extra arguments go to pytest.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-"$ROOT/scripts/ensure_env.sh"
+# shellcheck source=release.sh
+. "$ROOT/scripts/release.sh"
+VLLM_VERSION="$VLLM_RELEASE" "$ROOT/scripts/ensure_env.sh"
 cd "$ROOT"
-exec "$ROOT/.venv/bin/python" -m pytest -q "$@"
+exec "$VENV/bin/python" -m pytest -q "$@"

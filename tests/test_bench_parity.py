@@ -13,6 +13,7 @@ import pytest
 
 from prime_r3.bench import arms, command, parity
 from prime_r3.bench.workload import BenchConfig
+from prime_r3.guards import installed_vllm_version
 from prime_r3.patches import REGISTRY
 
 SMALL = BenchConfig(
@@ -30,17 +31,23 @@ SMALL = BenchConfig(
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
-    names = tuple(spec.name for spec in REGISTRY)
-    run = [arms.Arm("r3_upstream", r3=True), arms.Arm("r3_prime", r3=True, patches=names)]
+def applicable() -> tuple[str, ...]:
+    """Every patch the installed release takes (test_bench_command states which)."""
+    return tuple(command.applicable_patches()[1])
+
+
+@pytest.fixture(scope="module")
+def results(applicable: tuple[str, ...]) -> dict:
+    run = [arms.Arm("r3_upstream", r3=True), arms.Arm("r3_prime", r3=True, patches=applicable)]
     return arms.run_arms(run, SMALL, timeout=600)
 
 
-def test_arms_ran_clean(results: dict) -> None:
+def test_arms_ran_clean(results: dict, applicable: tuple[str, ...]) -> None:
     for name, result in results.items():
         assert result.get("error") is None, f"{name}: {result.get('error')}"
     assert results["r3_upstream"]["active_patches"] == []
-    assert set(results["r3_prime"]["active_patches"]) == {spec.name for spec in REGISTRY}
+    assert set(results["r3_prime"]["active_patches"]) == set(applicable)
+    assert set(applicable) <= {spec.name for spec in REGISTRY}
 
 
 def test_rows_bitwise_identical_across_preemption_and_prefix_hits(results: dict) -> None:
@@ -50,7 +57,14 @@ def test_rows_bitwise_identical_across_preemption_and_prefix_hits(results: dict)
     assert checked["preempted_requests"] > 0
     assert checked["prefix_hit_requests"] > 0
     window = results["r3_upstream"]["window"]
-    assert window["evictions"] > 0, "the store never filled; parity was not tested under eviction"
+    assert window["released"] > 0, "no store key lost its last reference"
+    if installed_vllm_version() in ("0.31.0", "0.32.0"):
+        # The store is sized to the KV cache and keys live until requests finish: it fills.
+        assert window["evictions"] > 0, "the store never filled; parity not tested under eviction"
+    else:
+        # 0.33 releases a key when the KV cache drops its block (released_block_hashes), so
+        # at this size its store never fills; parity is tested across those releases.
+        assert installed_vllm_version() == "0.33.0"
 
 
 def test_parity_names_request_and_first_differing_row(results: dict) -> None:

@@ -11,6 +11,7 @@ import pytest
 import prime_r3
 from prime_r3 import fingerprint, layer
 from prime_r3.spec import PatchSpec, Process, Target
+from tests import fake_layers
 
 LAZY = "tests.fake_lazy_upstream"
 CONSUMER = "tests.fake_lazy_consumer"
@@ -174,10 +175,132 @@ def test_missing_source_file_skips_instead_of_raising(lazy, tmp_path) -> None:  
     """An image that ships only .pyc: the guard cannot read the source, so it skips."""
     from prime_r3 import fingerprint as fp
 
-    def no_source(module_name: str) -> str:
+    def no_source(module_name: str) -> fp.ModuleText:
         raise fp.SourceUnavailable(f"no source for module {module_name}")
 
     lazy.setattr(layer, "registry", lambda: _registry()[:1])
-    lazy.setattr(fp, "file_source", no_source)
+    lazy.setattr(fp, "read_installed", no_source)
     outcome = layer.apply().outcome("lazy")
     assert outcome.state == layer.SKIPPED and "source unavailable" in outcome.reason
+
+
+# -- real vLLM modules imported after apply(): anchors re-checked on import ----------
+
+AUX = "vllm.distributed.aux_output_connector"
+AUX_MODULES = tuple(f"{AUX}.{m}" for m in ("connector", "routed_experts", "store", "worker"))
+#: packed_outputs anchors a consumer in a module holding no target (connector) and a
+#: producer in its target's module (worker); it applies on 0.31, 0.32 and 0.33.
+ANCHORS = {
+    "consumer in another module": (
+        f"{AUX}.connector",
+        "AuxOutputSchedulerConnector",
+        "take_output",
+    ),
+    "producer in the target module": (
+        f"{AUX}.worker",
+        "AuxOutputWorkerConnector",
+        "_commit_output",
+    ),
+}
+LAYERS = {"functools.wraps": fake_layers.with_functools_wraps, "wrapt": fake_layers.with_wrapt}
+
+
+@pytest.fixture
+def aux_unimported(reverted: pytest.MonkeyPatch):  # noqa: ANN201
+    """vLLM's aux-output modules as if not imported yet; the session's put back after."""
+    import vllm.distributed.aux_output_connector as package
+
+    saved = {name: sys.modules.pop(name) for name in AUX_MODULES if name in sys.modules}
+    attrs = {n: vars(package)[n] for n in ("connector", "routed_experts", "store", "worker")
+             if n in vars(package)}  # fmt: skip
+    for name in attrs:
+        delattr(package, name)
+    yield reverted
+    layer.revert()
+    for name in AUX_MODULES:
+        sys.modules.pop(name, None)
+    sys.modules.update(saved)
+    for name in ("connector", "routed_experts", "store", "worker"):
+        if name in attrs:
+            setattr(package, name, attrs[name])
+        elif hasattr(package, name):
+            delattr(package, name)
+
+
+@pytest.mark.parametrize("how", sorted(LAYERS))
+@pytest.mark.parametrize("where", sorted(ANCHORS))
+def test_anchor_wrapped_by_another_layer_on_import_rolls_the_patch_back(
+    aux_unimported,
+    caplog,
+    where: str,
+    how: str,  # noqa: ANN001
+) -> None:
+    """Another layer's own import hook (registered first) wraps the anchor on import."""
+    import wrapt
+
+    module, cls_name, name = ANCHORS[where]
+
+    def other_layer(mod: object) -> None:
+        cls = getattr(mod, cls_name)
+        setattr(cls, name, LAYERS[how](cls.__dict__[name]))
+
+    wrapt.register_post_import_hook(other_layer, module)
+    outcome = layer.apply(["packed_outputs"]).outcome("packed_outputs")
+    assert outcome.state == layer.PENDING  # the files verify; nothing imported
+    assert not any(m in sys.modules for m in AUX_MODULES)
+    with caplog.at_level(logging.WARNING, logger="vllm.prime_r3"):
+        from vllm.distributed.aux_output_connector.worker import AuxOutputWorkerConnector
+    key = f"{module}:{cls_name}.{name}"
+    assert f"packed_outputs skipped on import of {module}: anchor {key} is not upstream's" in (
+        caplog.text
+    )
+    current = getattr(sys.modules[module], cls_name).__dict__[name]
+    assert type(current) is type(LAYERS[how](len))  # their layer stays, ours never went on
+    assert not prime_r3.is_object_patched(AuxOutputWorkerConnector.__dict__["process_output"])
+    status = layer.status().outcome("packed_outputs")
+    assert status.state == layer.SKIPPED and key in status.reason
+
+
+def test_unwrapped_anchors_on_import_let_the_patch_install(aux_unimported) -> None:  # noqa: ANN001
+    """The same sequence without the other layer: the patch installs on import."""
+    assert layer.apply(["packed_outputs"]).outcome("packed_outputs").state == layer.PENDING
+    from vllm.distributed.aux_output_connector.worker import AuxOutputWorkerConnector
+
+    assert prime_r3.is_object_patched(AuxOutputWorkerConnector.__dict__["process_output"])
+    assert layer.status().outcome("packed_outputs").state == layer.APPLIED
+
+
+def test_anchor_module_imported_after_the_targets_rolls_them_back_if_replaced(
+    lazy,  # noqa: ANN001
+    caplog,  # noqa: ANN001
+) -> None:
+    """The patch waits for its anchor's module too; a layer found there then undoes it."""
+    import wrapt
+
+    from prime_r3.spec import Anchor
+
+    step = Target(LAZY, "step", _fp("fake_lazy_upstream.py", "step"), _plus(100))
+    anchor = Anchor(CONSUMER, "consume", _fp("fake_lazy_consumer.py", "consume"))
+    spec = PatchSpec(
+        name="anchored",
+        summary="t",
+        targets=(step,),
+        anchors=(anchor,),
+        vllm_range=">=0.31,<0.34",
+        processes=frozenset({Process.WORKER}),
+    )
+    lazy.setattr(layer, "registry", lambda: (spec,))
+
+    def other_layer(mod) -> None:  # noqa: ANN001
+        mod.consume = fake_layers.with_functools_wraps(mod.consume)
+
+    wrapt.register_post_import_hook(other_layer, CONSUMER)
+    layer.apply()
+    from tests import fake_lazy_upstream as mod
+
+    assert mod.step(1) == 102  # installed with its module
+    assert layer.status().outcome("anchored").reason == f"waits for import of {CONSUMER}"
+    with caplog.at_level(logging.WARNING, logger="vllm.prime_r3"):
+        from tests import fake_lazy_consumer  # noqa: F401
+    assert f"anchored skipped on import of {CONSUMER}: anchor {CONSUMER}:consume" in caplog.text
+    assert mod.step(1) == 2 and not prime_r3.is_object_patched(mod.step)

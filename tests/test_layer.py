@@ -11,7 +11,7 @@ import wrapt
 import prime_r3
 from prime_r3 import fingerprint, guards, layer, state
 from prime_r3.spec import Anchor, PatchSpec, Process, Target
-from tests import fake_upstream
+from tests import fake_layers, fake_upstream
 
 MOD = "tests.fake_upstream"
 
@@ -121,15 +121,16 @@ def test_second_target_failure_rolls_back_the_first(fake_registry) -> None:  # n
 
 def test_changed_target_source_is_skipped_with_reason_and_untouched(fake_registry) -> None:  # noqa: ANN001
     monkeypatch, specs = fake_registry
-    real = fingerprint.module_source
+    real = fingerprint.read_installed
 
-    def changed(module_name: str) -> str:
+    def changed(module_name: str) -> fingerprint.ModuleText:
         text = real(module_name)
         if module_name == MOD:
-            text = text.replace("return x * 2", "return x * 3")
+            source = text.source.replace("return x * 2", "return x * 3")
+            text = dataclasses.replace(text, source=source)
         return text
 
-    monkeypatch.setattr(fingerprint, "module_source", changed)
+    monkeypatch.setattr(fingerprint, "read_installed", changed)
     original = fake_upstream.Store.__dict__["put"]
     report = layer.apply()
     outcome = report.outcome("two_targets")
@@ -248,3 +249,128 @@ def test_status_changes_nothing(fake_registry) -> None:  # noqa: ANN001
     report = layer.status()
     assert [o.state for o in report.outcomes] == [layer.WOULD_APPLY, layer.WOULD_APPLY]
     assert not layer.is_object_patched(fake_upstream.helper)
+
+
+# -- anchors are guarded like targets (real vLLM objects) ---------------------------
+
+WORKER = "vllm.distributed.aux_output_connector.worker"
+CONNECTOR = "vllm.distributed.aux_output_connector.connector"
+#: packed_outputs (range >=0.31,<0.34, not fixed upstream: applies on 0.31, 0.32 and
+#: 0.33) anchors a consumer in another module than its target, and a producer in
+#: the target's own module.
+FUNCTION_ANCHORS = {
+    "consumer in another module": (CONNECTOR, "AuxOutputSchedulerConnector", "take_output"),
+    "producer in the target module": (WORKER, "AuxOutputWorkerConnector", "_commit_output"),
+}
+
+
+def _process_output_is_upstream() -> bool:
+    from vllm.distributed.aux_output_connector.worker import AuxOutputWorkerConnector
+
+    return not layer.is_object_patched(AuxOutputWorkerConnector.__dict__["process_output"])
+
+
+def _assert_packed_outputs_skips_naming(key: str) -> None:
+    with pytest.raises(prime_r3.PatchNotApplied) as raised:
+        layer.apply(["packed_outputs"])
+    reason = raised.value.report.outcome("packed_outputs").reason
+    assert reason.startswith(f"anchor {key} is not upstream's plain object"), reason
+    assert _process_output_is_upstream()
+    assert layer.status().outcome("packed_outputs").state == layer.SKIPPED
+
+
+@pytest.mark.parametrize("how", sorted(fake_layers.FUNCTION_LAYERS))
+@pytest.mark.parametrize("where", sorted(FUNCTION_ANCHORS))
+def test_anchor_replaced_by_another_layer_skips_the_patch(
+    reverted: pytest.MonkeyPatch, where: str, how: str
+) -> None:
+    import importlib
+
+    module, cls_name, name = FUNCTION_ANCHORS[where]
+    cls = getattr(importlib.import_module(module), cls_name)
+    original = cls.__dict__[name]
+    reverted.setattr(cls, name, fake_layers.FUNCTION_LAYERS[how](original))
+    _assert_packed_outputs_skips_naming(f"{module}:{cls_name}.{name}")
+    reverted.setattr(cls, name, original)  # the other layer leaves: the patch applies
+    assert layer.apply(["packed_outputs"]).outcome("packed_outputs").state == layer.APPLIED
+
+
+def test_class_anchor_with_a_wrapped_method_skips_the_patch(reverted: pytest.MonkeyPatch) -> None:
+    """PendingAuxOutput is a dataclass anchor; its generated __init__ wrapped elsewhere."""
+    from vllm.distributed.aux_output_connector.worker import PendingAuxOutput
+
+    original = PendingAuxOutput.__dict__["__init__"]
+    reverted.setattr(PendingAuxOutput, "__init__", fake_layers.with_functools_wraps(original))
+    _assert_packed_outputs_skips_naming(f"{WORKER}:PendingAuxOutput")
+    reverted.setattr(PendingAuxOutput, "__init__", original)
+    assert layer.apply(["packed_outputs"]).outcome("packed_outputs").state == layer.APPLIED
+
+
+def test_class_anchor_replaced_by_a_look_alike_subclass_skips_the_patch(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    from vllm.distributed.aux_output_connector import connector
+
+    original = connector.AuxRequestOutput
+    stand_in = type("AuxRequestOutput", (original,), {"__module__": CONNECTOR})
+    reverted.setattr(connector, "AuxRequestOutput", stand_in)
+    _assert_packed_outputs_skips_naming(f"{CONNECTOR}:AuxRequestOutput")
+    reverted.setattr(connector, "AuxRequestOutput", original)
+    assert layer.apply(["packed_outputs"]).outcome("packed_outputs").state == layer.APPLIED
+
+
+def test_upstream_decorated_anchors_and_our_own_wrappers_count_as_plain(reverted) -> None:  # noqa: ANN001
+    """Worker.compile_or_warm_up_model (@instrument) and lifespan (@asynccontextmanager,
+    a functools.wraps layer from contextlib) are plain; so is BlockObjectStore once
+    store_eviction (when it applies here) wrapped its _evict_to_fit."""
+    import importlib
+
+    from prime_r3.patches import REGISTRY
+
+    layer.apply()
+    for spec in REGISTRY:
+        for anchor in spec.anchors:
+            importlib.import_module(anchor.module)
+            resolved = guards.resolve(anchor)
+            assert not isinstance(resolved, str), resolved
+            reason = guards.check_source(anchor, resolved)
+            version_reason = guards.check_version(spec, guards.installed_vllm_version())
+            assert reason is None or version_reason is not None, reason
+    lifespan = importlib.import_module("vllm.entrypoints.launchers.utils.server_utils").lifespan
+    assert lifespan.__wrapped__.__code__.co_name == "lifespan"  # a real decorator layer
+
+
+@pytest.mark.parametrize("how", sorted(fake_layers.FUNCTION_LAYERS))
+def test_target_replaced_by_another_layer_skips_the_patch(
+    reverted: pytest.MonkeyPatch, how: str
+) -> None:
+    """Before, a wraps-style wrapper compiled under upstream's file name passed."""
+    from vllm.distributed.aux_output_connector.worker import AuxOutputWorkerConnector as cls
+
+    original = cls.__dict__["process_output"]
+    theirs = fake_layers.FUNCTION_LAYERS[how](original)
+    reverted.setattr(cls, "process_output", theirs)
+    with pytest.raises(prime_r3.PatchNotApplied) as raised:
+        layer.apply(["packed_outputs"])
+    reason = raised.value.report.outcome("packed_outputs").reason
+    assert reason.startswith(f"target {WORKER}:AuxOutputWorkerConnector.process_output is not"), (
+        reason
+    )
+    assert cls.__dict__["process_output"] is theirs
+
+
+def test_another_layer_over_an_upstream_decorated_anchor_skips(reverted) -> None:  # noqa: ANN001
+    """lifespan carries one contextlib layer of its own; a second one is another layer's."""
+    import importlib
+
+    server_utils = importlib.import_module("vllm.entrypoints.launchers.utils.server_utils")
+    original = server_utils.lifespan
+    reverted.setattr(server_utils, "lifespan", fake_layers.with_functools_wraps(original))
+    with pytest.raises(prime_r3.PatchNotApplied) as raised:
+        layer.apply(["engine_gc"])
+    reason = raised.value.report.outcome("engine_gc").reason
+    key = "vllm.entrypoints.launchers.utils.server_utils:lifespan"
+    assert reason.startswith(f"anchor {key} is not upstream's plain object"), reason
+    assert "2 wrapper(s) over lifespan, its decorators add 1" in reason
+    reverted.setattr(server_utils, "lifespan", original)
+    assert layer.apply(["engine_gc"]).outcome("engine_gc").state == layer.APPLIED

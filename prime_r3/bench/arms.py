@@ -9,6 +9,7 @@ plugin loader applies prime_r3 from ``PRIME_R3``/``PRIME_R3_PATCHES`` -- and the
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -44,8 +45,22 @@ def default_arms(registry_names: Sequence[str], per_patch: Sequence[str] = ()) -
     return arms
 
 
+class _NoKernelsNote(logging.Filter):
+    """Drop vLLM's "Failed to import from vllm._C" warning from the arms' output.
+
+    The simulator runs none of vLLM's compiled kernels (there is no model), and the CPU
+    torch build here has none to load, so the warning, printed once per spawned arm,
+    says nothing about the measurement.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to import from vllm._C" not in record.getMessage()
+
+
 def _child(arm: Arm, cfg: BenchConfig, out: Any) -> None:
     """Spawned entry point: configure the overlay, run the loop, send the result."""
+    for name in ("vllm.platforms.interface", "vllm.platforms.cpu"):
+        logging.getLogger(name).addFilter(_NoKernelsNote())
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ["PRIME_R3"] = "1" if arm.patches else "0"

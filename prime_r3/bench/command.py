@@ -1,10 +1,13 @@
-"""``prime-r3 bench``: flags, the arm run with a progress bar, the report and the parity check."""
+"""``prime-r3 bench``: flags, the arm run with progress, the report and the parity check."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
-from typing import Any
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
 
 from prime_r3.bench import arms as arms_mod
 from prime_r3.bench import parity, report
@@ -18,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--concurrency",
         type=int,
         default=d.concurrency,
-        help="concurrent requests in the closed loop (default %(default)s)",
+        help="concurrent requests in the closed loop",
     )
     p.add_argument("--steps", type=int, default=d.steps, help="measured engine steps per arm")
     p.add_argument("--warmup", type=int, default=d.warmup, help="steps before the window")
@@ -29,9 +32,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--prefix-len", type=int, default=d.prefix_len, help="shared prefix tokens")
     p.add_argument("--problem-len", type=int, default=d.problem_len, help="per-prompt tokens")
-    p.add_argument("--samples-per-prompt", type=int, default=d.samples_per_prompt)
+    p.add_argument(
+        "--samples-per-prompt",
+        type=int,
+        default=d.samples_per_prompt,
+        help="requests sharing each prompt (GRPO-style groups)",
+    )
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="output length cap")
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="scheduler token budget per step",
+    )
     p.add_argument(
         "--kv-fraction",
         type=float,
@@ -44,9 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="two batches in flight, as EngineCore's batch queue runs them",
     )
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="workload seed")
     p.add_argument(
-        "--patches", default="", help="also run one arm per patch: comma list of names, or 'each'"
+        "--patches",
+        default="",
+        help="also run one arm per patch: comma list of names, or 'each' (every patch that "
+        "applies to the installed vLLM)",
     )
     p.add_argument(
         "--repeat",
@@ -92,34 +108,112 @@ def check_parity(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return checked
 
 
-def main(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+BENCH_EXTRA = "pip install 'prime-r3[bench]'"
 
+
+def applicable_patches() -> tuple[str | None, list[str], dict[str, str]]:
+    """The installed vLLM, the registry patches that apply to it, and why the rest do not.
+
+    Decided by the same guards ``apply()`` runs (``layer.status`` with no ``PRIME_R3*``
+    selection), so the ``r3_prime`` arm is "every patch this release can take".
+    """
+    from prime_r3 import layer
+
+    report = layer.status(environ={})
+    applies = [
+        o.name
+        for o in report.outcomes
+        if o.state in (layer.WOULD_APPLY, layer.APPLIED, layer.PENDING)
+    ]
+    skipped = {o.name: o.reason for o in report.outcomes if o.state == layer.SKIPPED}
+    return report.vllm_version, applies, skipped
+
+
+class Progress:
+    """A tqdm bar on a terminal; elsewhere (CI logs, pipes) a plain line every few seconds,
+    so a log gets a handful of lines instead of thousands of carriage-return frames."""
+
+    def __init__(self, total: int, stream: TextIO, every_s: float = 5.0) -> None:
+        self.total = total
+        self.stream = stream
+        self.every_s = every_s
+        self.done = 0
+        self.arm = ""
+        self._bar: Any = None
+        self._start = self._last = time.monotonic()
+        if stream.isatty() and importlib.util.find_spec("tqdm") is not None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="step", file=stream)
+
+    def update(self, arm: str, steps: int) -> None:
+        self.done += steps
+        if self._bar is not None:
+            self._bar.set_description(arm)
+            self._bar.update(steps)
+            return
+        now = time.monotonic()
+        if arm != self.arm or now - self._last >= self.every_s or self.done >= self.total:
+            self.arm, self._last = arm, now
+            print(
+                f"prime-r3 bench: {arm}: {self.done}/{self.total} steps, {now - self._start:.0f} s",
+                file=self.stream,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _select(
+    requested: str, applies: Sequence[str], skipped: dict[str, str], known: Sequence[str]
+) -> list[str] | str:
+    """Per-patch arms for ``--patches``, or a one-line error."""
+    if requested == "each":
+        return list(applies)
+    names = [n for n in requested.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        return f"unknown patch(es) {', '.join(unknown)}; known: {', '.join(known)}"
+    blocked = [f"{n} ({skipped.get(n, 'not applicable')})" for n in names if n not in applies]
+    if blocked:
+        return "cannot apply to the installed vLLM: " + "; ".join(blocked)
+    return names
+
+
+def main(args: argparse.Namespace) -> int:
     from prime_r3.patches import REGISTRY
 
     cfg = config_from_args(args)
-    names = [s.name for s in REGISTRY]
-    per_patch = names if args.patches == "each" else [n for n in args.patches.split(",") if n]
-    unknown = sorted(set(per_patch) - set(names))
-    if unknown:
-        print(f"prime-r3 bench: unknown patch(es) {unknown}; known: {names}", file=sys.stderr)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print(f"prime-r3 bench: --plot needs matplotlib: {BENCH_EXTRA}", file=sys.stderr)
         return 2
-    arms = arms_mod.default_arms(names, per_patch)
+    version, applies, skipped = applicable_patches()
+    per_patch = _select(args.patches, applies, skipped, [s.name for s in REGISTRY])
+    if isinstance(per_patch, str):
+        print(f"prime-r3 bench: --patches {args.patches}: {per_patch}", file=sys.stderr)
+        return 2
+    arms = arms_mod.default_arms(applies, per_patch)
     print(
-        f"prime-r3 bench: {len(arms)} arms x {cfg.total_steps} steps, {cfg.concurrency} "
-        f"concurrent, {cfg.num_kv_blocks} KV blocks, {cfg.layers}x{cfg.topk} routing "
-        f"({'async' if cfg.async_scheduling else 'sync'} scheduling)",
+        f"prime-r3 bench on vllm {version}: {len(arms)} arms x {cfg.total_steps} steps, "
+        f"{cfg.concurrency} concurrent, {cfg.num_kv_blocks} KV blocks, "
+        f"{cfg.layers}x{cfg.topk} routing ({'async' if cfg.async_scheduling else 'sync'} "
+        "scheduling)",
         file=sys.stderr,
     )
+    header = _patch_header(version, applies, skipped)
+    print(header, file=sys.stderr)
     repeats = max(args.repeat, 1)
-    with tqdm(total=repeats * len(arms) * cfg.total_steps, unit="step", file=sys.stderr) as bar:
-
-        def progress(arm: arms_mod.Arm, steps: int) -> None:
-            bar.set_description(arm.name)
-            bar.update(steps)
-
+    progress = Progress(repeats * len(arms) * cfg.total_steps, sys.stderr)
+    try:
         # Round-robin repeats, so slow drift in other load on the box hits every arm alike.
-        rounds = [arms_mod.run_arms(arms, cfg, progress) for _ in range(repeats)]
+        rounds = [
+            arms_mod.run_arms(arms, cfg, lambda arm, n: progress.update(arm.name, n))
+            for _ in range(repeats)
+        ]
+    finally:
+        progress.close()
     results = rounds[0]
     summaries = report.combine(
         [{name: report.summarize(r, cfg) for name, r in res.items()} for res in rounds]
@@ -137,10 +231,13 @@ def main(args: argparse.Namespace) -> int:
     if any(r.get("error") for r in results.values()):
         status = 1
     out = sys.stderr if args.json == "-" else sys.stdout  # keep stdout pure JSON
+    print(header, file=out)
     print(report.table(summaries), file=out)
     print(_parity_line(parity_note), file=out)
     if args.json:
-        text = report.to_json(cfg, summaries, parity_note)
+        text = report.to_json(
+            cfg, summaries, parity_note, {"vllm": version, "applied": applies, "skipped": skipped}
+        )
         if args.json == "-":
             print(text)
         else:
@@ -162,3 +259,9 @@ def _parity_line(note: dict[str, Any]) -> str:
         for name, c in note["checked"].items()
     ]
     return "parity vs r3_upstream:\n  " + "\n  ".join(parts)
+
+
+def _patch_header(version: str | None, applies: Sequence[str], skipped: dict[str, str]) -> str:
+    lines = [f"vllm {version}: r3_prime = {', '.join(applies) or 'no patch'}"]
+    lines += [f"  skipped on vllm {version}: {name}: {why}" for name, why in skipped.items()]
+    return "\n".join(lines)

@@ -322,5 +322,6 @@ def _snapshot(sim: Simulator) -> dict[str, int]:
         "preemptions": sim.preemptions,
         "prefix_hit_tokens": sim.prefix_hit_tokens,
         "evictions": sim.store.evictions,
+        "released": sim.store.released,
         "finished": len(sim.finished),
     }

@@ -60,6 +60,9 @@ class StoreMeter:
         background = getattr(connector, "_store", None) if connector is not None else None
         self.store = getattr(background, "_store", None)
         self.evictions = 0
+        #: Keys whose last reference was dropped (in 0.33 also when the KV cache evicts
+        #: the block: the scheduler connector sends its hashes as released).
+        self.released = 0
         self.peak_size = 0
         self.peak_referenced = 0
         if self.store is None:
@@ -68,14 +71,22 @@ class StoreMeter:
         store = self.store
 
         def counting_evict(*args: Any, **kwargs: Any) -> Any:
-            before = len(store._lru)
+            before = len(_stored(store))
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.evictions += max(before - len(store._lru), 0)
+                self.evictions += max(before - len(_stored(store)), 0)
                 self.peak_referenced = max(self.peak_referenced, len(store._references))
 
         store._evict_to_fit = counting_evict
+        inner_release = self.store._release
+
+        def counting_release(*args: Any, **kwargs: Any) -> Any:
+            terminal = inner_release(*args, **kwargs)
+            self.released += len(terminal)
+            return terminal
+
+        store._release = counting_release
 
     @property
     def slots(self) -> int:
@@ -83,10 +94,17 @@ class StoreMeter:
 
     @property
     def size(self) -> int:
-        return len(self.store._lru) if self.store is not None else 0
+        return len(_stored(self.store)) if self.store is not None else 0
 
     def sample(self) -> None:
         if self.store is None:
             return
-        self.peak_size = max(self.peak_size, len(self.store._lru))
+        self.peak_size = max(self.peak_size, len(_stored(self.store)))
         self.peak_referenced = max(self.peak_referenced, len(self.store._references))
+
+
+def _stored(store: Any) -> Any:
+    """The keys a store holds: ``_lru`` in vLLM 0.31/0.32; 0.33 keeps referenced keys out
+    of its LRU and holds every key in ``_slots``."""
+    slots = getattr(store, "_slots", None)
+    return store._lru if slots is None else slots

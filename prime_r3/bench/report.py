@@ -131,8 +131,15 @@ def table(summaries: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def to_json(cfg: BenchConfig, summaries: dict[str, Any], parity: dict[str, Any]) -> str:
-    return json.dumps({"config": cfg.to_dict(), "arms": summaries, "parity": parity}, indent=2)
+def to_json(
+    cfg: BenchConfig,
+    summaries: dict[str, Any],
+    parity: dict[str, Any],
+    patches: dict[str, Any] | None = None,
+) -> str:
+    """The run as JSON; ``patches`` names the vLLM release and what applied there."""
+    document = {"config": cfg.to_dict(), "patches": patches, "arms": summaries, "parity": parity}
+    return json.dumps(document, indent=2)
 
 
 def plot(results: dict[str, dict[str, Any]], cfg: BenchConfig, path: str) -> None:

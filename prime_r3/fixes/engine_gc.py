@@ -10,33 +10,46 @@ and a second freeze would pin request-scoped objects forever.
 
 The API server (``lifespan`` in ``server_utils``) keeps the defaults unless
 ``PRIME_R3_ENGINE_GC_API_SERVER=1``: see README for the measurement behind that.
+
+An EngineCore can share the user's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+``InprocClient``: how colocated RL trainers run vLLM). Upstream undoes its own freeze in
+``EngineCore.shutdown`` (``gc.unfreeze()``), so the process is left as it was; we do the
+same for the thresholds: when the last EngineCore of the process that set them shuts
+down, the thresholds in place before are restored (unless someone changed them since,
+which is then their choice to keep).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from prime_r3.config import parse_bool, parse_int_tuple
+from prime_r3.config import C_INT_MAX, parse_bool, parse_int_tuple
 from prime_r3.spec import Anchor, Param, PatchSpec, Process, Target, WrapperFn
 
 logger = logging.getLogger("vllm.prime_r3")
 
 DEFAULT_THRESHOLDS = (50_000, 20, 100)
 
-# Per process: thresholds before we first changed them (restored on revert), and
-# whether the worker already got its thresholds (set once per process).
+# Per process: thresholds before we first changed them (restored on revert and when
+# the last EngineCore shuts down), the ones we set, whether the worker already got its
+# thresholds (set once per process), and how many EngineCores that set them are live.
 _saved_thresholds: tuple[int, int, int] | None = None
+_set_by_us: tuple[int, ...] | None = None
 _worker_done = False
+_live_engines = 0
+_engines_shut: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _set_thresholds(thresholds: tuple[int, ...], where: str) -> None:
-    global _saved_thresholds
+    global _saved_thresholds, _set_by_us
     if _saved_thresholds is None:
         _saved_thresholds = gc.get_threshold()
     gc.set_threshold(*thresholds)
+    _set_by_us = tuple(thresholds)
     logger.debug("prime_r3 engine_gc: %s gc thresholds %s", where, thresholds)
 
 
@@ -44,11 +57,33 @@ def _engine_core(params: Mapping[str, Any]) -> WrapperFn:
     thresholds = params["thresholds"]
 
     def after_engine_freeze(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
+        global _live_engines
         result = wrapped(*args, **kwargs)
         _set_thresholds(thresholds, "EngineCore")
+        _live_engines += 1
         return result
 
     return after_engine_freeze
+
+
+def _engine_core_shutdown(params: Mapping[str, Any]) -> WrapperFn:
+    def restore_after_shutdown(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
+        """Upstream's shutdown, then the thresholds back, as upstream unfreezes its heap.
+
+        Counted per EngineCore (a second shutdown of the same one counts once), so an
+        in-process engine still running keeps its thresholds when another one stops.
+        """
+        global _live_engines
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            if _live_engines > 0 and instance not in _engines_shut:
+                _engines_shut.add(instance)
+                _live_engines -= 1
+                if _live_engines == 0:
+                    _restore_thresholds()
+
+    return restore_after_shutdown
 
 
 def _worker(params: Mapping[str, Any]) -> WrapperFn:
@@ -79,11 +114,15 @@ def _api_server(params: Mapping[str, Any]) -> WrapperFn:
 
 
 def _restore_thresholds() -> None:
-    global _saved_thresholds, _worker_done
-    if _saved_thresholds is not None:
+    """Put back the thresholds found before we set ours, unless someone changed them since."""
+    global _saved_thresholds, _set_by_us, _worker_done, _live_engines
+    if _saved_thresholds is not None and gc.get_threshold() == _set_by_us:
         gc.set_threshold(*_saved_thresholds)
+        logger.debug("prime_r3 engine_gc: gc thresholds restored to %s", _saved_thresholds)
     _saved_thresholds = None
+    _set_by_us = None
     _worker_done = False
+    _live_engines = 0
 
 
 # Verified source fingerprints (scripts/fingerprint.py) for vLLM 0.31.0, 0.32.0, 0.33.0.
@@ -91,6 +130,7 @@ _FREEZE_GC_HEAP = frozenset({"1d7588fe2805731a"})
 _ENGINE_CORE_INIT = frozenset({"776cc0fd8c339734", "701c2d37f74c33d6", "642d0d7022c2d490"})
 _WORKER_WARM_UP = frozenset({"35945994940de9b5", "1489248a0da2619f", "855a911e315f7d0f"})
 _LIFESPAN = frozenset({"82e7ccf721d101b4"})
+_ENGINE_CORE_SHUTDOWN = frozenset({"02dc398505e70746"})
 
 SPEC = PatchSpec(
     name="engine_gc",
@@ -99,6 +139,12 @@ SPEC = PatchSpec(
     processes=frozenset({Process.ENGINE_CORE, Process.WORKER}),
     targets=(
         Target("vllm.v1.engine.core", "freeze_gc_heap", _FREEZE_GC_HEAP, _engine_core),
+        Target(
+            "vllm.v1.engine.core",
+            "EngineCore.shutdown",
+            _ENGINE_CORE_SHUTDOWN,
+            _engine_core_shutdown,
+        ),
         Target("vllm.v1.worker.gpu_worker", "freeze_gc_heap", _FREEZE_GC_HEAP, _worker),
         Target(
             "vllm.entrypoints.launchers.utils.server_utils",
@@ -117,9 +163,9 @@ SPEC = PatchSpec(
         Param(
             "thresholds",
             DEFAULT_THRESHOLDS,
-            parse_int_tuple(3, minimum=0),
+            parse_int_tuple(3, minimum=0, maximum=C_INT_MAX),
             "gc.set_threshold() values for EngineCore and workers",
-            "three non-negative integers, e.g. 50000,20,100",
+            f"three integers in 0..{C_INT_MAX} (gc.set_threshold takes C ints), e.g. 50000,20,100",
         ),
         Param(
             "api_server",

@@ -1,0 +1,123 @@
+"""prime-r3 bench on any supported release: which patches its r3_prime arm runs, and its CLI.
+
+Each release's expectation is stated here and checked against that release's real code
+through the same guards apply() runs (no version string is faked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import pathlib
+import tomllib
+
+import pytest
+
+from prime_r3 import cli
+from prime_r3.bench import command
+from prime_r3.guards import installed_vllm_version
+from prime_r3.patches import REGISTRY
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ALL = [spec.name for spec in REGISTRY]
+STORE = ["store_eviction", "store_headroom", "store_growth"]
+#: What the r3_prime arm runs on each supported release.
+EXPECTED_APPLIES = {
+    "0.31.0": ALL,
+    "0.32.0": ALL,
+    "0.33.0": [name for name in ALL if name not in STORE],
+}
+
+
+def _bench_args(*argv: str) -> argparse.Namespace:
+    return cli.build_parser().parse_args(["bench", *argv])
+
+
+def test_r3_prime_runs_every_patch_the_installed_release_takes(clean_env) -> None:  # noqa: ANN001
+    version, applies, skipped = command.applicable_patches()
+    assert version == installed_vllm_version()
+    assert version in EXPECTED_APPLIES, f"vllm {version} is not a supported release"
+    assert applies == EXPECTED_APPLIES[version]
+    assert sorted(skipped) == sorted(set(ALL) - set(applies))
+    for name in skipped:  # 0.33: each store patch names the upstream fix
+        assert skipped[name] == f"vllm {version} has this fix upstream (fixed upstream in 0.33)"
+
+
+def test_the_users_patch_selection_does_not_shrink_the_prime_arm(clean_env) -> None:  # noqa: ANN001
+    clean_env.setenv("PRIME_R3_PATCHES", "engine_gc")
+    clean_env.setenv("PRIME_R3", "0")
+    assert command.applicable_patches()[1] == EXPECTED_APPLIES[installed_vllm_version()]
+
+
+def test_a_patch_that_cannot_apply_is_a_one_line_error(clean_env, capsys) -> None:  # noqa: ANN001
+    version = installed_vllm_version()
+    blocked = [name for name in ALL if name not in EXPECTED_APPLIES[version]]
+    if not blocked:
+        # 0.31/0.32 take every patch: an unknown name is the only refusal there.
+        assert command.main(_bench_args("--patches", "engine_gc,bogus")) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "unknown patch(es) bogus" in err
+        return
+    assert command.main(_bench_args("--patches", blocked[0])) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert f"{blocked[0]} (vllm {version} has this fix upstream" in err
+
+
+def test_each_means_every_applicable_patch() -> None:
+    applies = ["a", "b"]
+    assert command._select("each", applies, {"c": "why"}, ["a", "b", "c"]) == ["a", "b"]
+    assert command._select("b", applies, {"c": "why"}, ["a", "b", "c"]) == ["b"]
+    assert command._select("c", applies, {"c": "why"}, ["a", "b", "c"]).endswith("c (why)")
+
+
+def test_help_shows_the_default_of_every_option() -> None:
+    parser = cli.build_parser()
+    bench = parser._subparsers._group_actions[0].choices["bench"]  # noqa: SLF001
+    text = bench.format_help().replace("\n", " ")
+    for action in bench._actions:  # noqa: SLF001
+        if action.dest == "help":
+            continue
+        assert action.help, f"{action.dest} has no help"
+        assert "(default:" in bench._get_formatter()._expand_help(action) or (  # noqa: SLF001
+            "%(default)" in action.help
+        ), action.dest
+    assert "(default: 400)" in " ".join(text.split())
+
+
+class _Pipe(io.StringIO):
+    def isatty(self) -> bool:
+        return False
+
+
+def test_progress_off_a_terminal_prints_a_few_plain_lines() -> None:
+    stream = _Pipe()
+    progress = command.Progress(total=3000, stream=stream, every_s=3600)
+    for arm in ("r3_off", "r3_upstream", "r3_prime"):
+        for _ in range(100):
+            progress.update(arm, 10)
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue()
+    # One line when each arm starts, one at the end; nothing per update.
+    assert len(lines) == 4, lines
+    assert lines[-1].startswith("prime-r3 bench: r3_prime: 3000/3000 steps")
+
+
+def test_plot_without_matplotlib_says_how_to_install(clean_env, capsys, monkeypatch) -> None:  # noqa: ANN001
+    real = command.importlib.util.find_spec
+    monkeypatch.setattr(
+        command.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real(name, *a),
+    )
+    assert command.main(_bench_args("--plot", "x.png")) == 2
+    assert "pip install 'prime-r3[bench]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dependency", ["tqdm", "matplotlib"])
+def test_bench_only_dependencies_are_an_extra(dependency: str) -> None:
+    """An overlay installed into an inference image must not pull matplotlib."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not any(r.startswith(dependency) for r in project["dependencies"])
+    assert any(r.startswith(dependency) for r in project["optional-dependencies"]["bench"])

@@ -440,6 +440,19 @@ def _gc_run(ctx: Context, tag: str) -> list[tuple[str, tuple[int, int, int], int
         async with server_utils.lifespan(app):
             record("API server lifespan")
 
+    class EngineStandIn(core.EngineCore):
+        """What EngineCore.shutdown reads; shutdown is the real one, called bound."""
+
+        def __init__(self) -> None:
+            self.structured_output_manager = SimpleNamespace(clear_backend=lambda: None)
+            self.model_executor = None
+            self.scheduler = None
+
+    def engine_starts() -> EngineStandIn:
+        engine = EngineStandIn()
+        exec(compile(engine_freeze, core.__file__, "exec"), vars(core), {"self": engine})
+        return engine
+
     saved = gc.get_threshold()
     try:
         gc.set_threshold(700, 10, 10)
@@ -448,17 +461,22 @@ def _gc_run(ctx: Context, tag: str) -> list[tuple[str, tuple[int, int, int], int
         gc.set_threshold(1234, 5, 6)
         _warm_up(monkeypatch)
         record("worker re-warm-up after the user changed thresholds")
-        exec(compile(engine_freeze, core.__file__, "exec"), vars(core), {})
-        record("EngineCore.__init__ freeze")
-        shutdown_self = SimpleNamespace(
-            structured_output_manager=SimpleNamespace(clear_backend=lambda: None),
-            model_executor=None,
-            scheduler=None,
-        )
-        core.EngineCore.shutdown(shutdown_self)
-        record("EngineCore.shutdown")
+        first = engine_starts()
+        record("EngineCore A: __init__ freeze")
+        second = engine_starts()
+        record("EngineCore B: __init__ freeze")
+        first.shutdown()
+        record("EngineCore A: shutdown, B still running")
+        first.shutdown()
+        record("EngineCore A: shutdown again")
+        second.shutdown()
+        record("EngineCore B: shutdown, the last one")
         _warm_up(monkeypatch)
-        record("worker warm-up after shutdown")
+        record("worker warm-up after the engines shut down")
+        third = engine_starts()
+        gc.set_threshold(1111, 2, 3)
+        third.shutdown()
+        record("EngineCore C: shutdown after the user changed thresholds")
         gc.set_threshold(700, 10, 10)
         asyncio.run(lifespan())
     finally:

@@ -26,7 +26,6 @@ from typing import Any
 import pytest
 
 from prime_r3 import guards
-from prime_r3.fixes import engine_gc
 from prime_r3.patches import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -290,37 +289,41 @@ def test_ray_detach_matches(results: dict[str, Any]) -> None:
 
 
 def test_gc_thresholds_match(results: dict[str, Any]) -> None:
+    """Worker warm-ups, EngineCore freezes and shutdowns, the API server: same thresholds."""
     overlay, diffs = _pair(results, "gc", "engine_gc")
-    assert "set_gc_thresholds()" in diffs["engine_core_segment"]
-    # The overlay restores thresholds on EngineCore.shutdown only once it wraps it.
-    overlay_restores = any("shutdown" in t.attr for t in engine_gc.SPEC.targets)
-    for ours, theirs in zip(diffs["trace"], overlay["trace"], strict=True):
-        assert ours[0] == theirs[0]
-        if ours[0].endswith("EngineCore.shutdown"):
-            assert ours[1] == (700, 10, 10), ours  # the diff always gives them back
-            if not overlay_restores:
-                continue
-        assert ours == theirs
+    assert "set_gc_thresholds(engine=True)" in diffs["engine_core_segment"]
+    assert diffs["trace"] == overlay["trace"]  # step, thresholds, freezes so far
     steps = {step: thresholds for step, thresholds, _ in diffs["trace"]}
-    assert steps["defaults: worker warm-up"] == (50_000, 20, 100)
+    ours, cpython = (50_000, 20, 100), (700, 10, 10)
+    assert steps["defaults: worker warm-up"] == ours
     assert steps["defaults: worker re-warm-up after the user changed thresholds"] == (1234, 5, 6)
-    assert steps["defaults: API server lifespan"] == (700, 10, 10)
+    assert steps["defaults: EngineCore A: shutdown, B still running"] == ours
+    assert steps["defaults: EngineCore A: shutdown again"] == ours
+    assert steps["defaults: EngineCore B: shutdown, the last one"] == cpython
+    assert steps["defaults: EngineCore C: shutdown after the user changed thresholds"] == (
+        1111,
+        2,
+        3,
+    )
+    assert steps["defaults: API server lifespan"] == cpython
     assert steps["40000,15,90 and API server: API server lifespan"] == (40_000, 15, 90)
-    assert [f for _, _, f in diffs["trace"]] == [
-        f for _, _, f in overlay["trace"]
-    ]  # no extra freeze
+    freezes = [f for _, _, f in diffs["trace"][:9]]
+    assert freezes == [1, 2, 3, 4, 4, 4, 4, 5, 6]  # upstream's freezes only, none added
 
     def accepted(values: dict[str, Any]) -> dict[str, bool]:
         return {k: not str(v).startswith("rejected") for k, v in values.items()}
 
-    # Where the overlay's parser and the diff agree by design; the bounds differ (below).
-    common = [v for v in diffs["values"] if v not in ("", "2147483648,1,1")]
+    # The same values are accepted and rejected (naming the variable), except the empty
+    # value: the overlay reads it as unset (its defaults), the diff as "keep CPython's".
+    common = [v for v in diffs["values"] if v != ""]
     assert {v: accepted(diffs["values"])[v] for v in common} == {
         v: accepted(overlay["values"])[v] for v in common
     }
     rejected = [v for v, ok in accepted(diffs["values"]).items() if not ok]
-    assert all(diffs["values"][v] == "rejected: names the variable: True" for v in rejected)
-    assert diffs["values"]["2147483648,1,1"].startswith("rejected")
+    assert "2147483648,1,1" in rejected and "-1,2,3" in rejected
+    for value in rejected:
+        assert diffs["values"][value] == overlay["values"][value]
+        assert diffs["values"][value] == "rejected: names the variable: True"
     before, after = diffs["values"][""]
     assert before == after  # empty: CPython's thresholds kept
     assert diffs["values"]["50_000,20,100"][1] == (50_000, 20, 100)

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import functools
 import gc
 import importlib.util
 import inspect
@@ -391,30 +389,12 @@ def _source_segment(function: Callable[..., Any], first: str, stop: str) -> str:
     return textwrap.dedent("\n".join(lines[start:end]))
 
 
-def _warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The real ``Worker.compile_or_warm_up_model`` on ``test_engine_gc``'s CPU stand-in.
-
-    vLLM 0.33 runs the warm-up as ``_compile_or_warm_up_model`` inside the model
-    runner's ``eplb.suppress()``; the stand-in gets both where the release has them.
-    """
-    import vllm.v1.worker.gpu_worker as gpu_worker
-
-    from tests.test_engine_gc import _worker_self
-
-    worker = _worker_self()
-    inner = getattr(gpu_worker.Worker, "_compile_or_warm_up_model", None)
-    if inner is not None:
-        worker._compile_or_warm_up_model = functools.partial(inner, worker)
-        worker.model_runner.eplb = SimpleNamespace(suppress=contextlib.nullcontext)
-    for name in ("kernel_warmup", "set_random_seed", "enable_gpu_sync_check"):
-        monkeypatch.setattr(gpu_worker, name, lambda *a, **k: None)
-    gpu_worker.Worker.compile_or_warm_up_model(worker)
-
-
 def _gc_run(ctx: Context, tag: str) -> list[tuple[str, tuple[int, int, int], int]]:
     """Worker warm-ups, EngineCore's freeze and shutdown, the API server's lifespan."""
     import vllm.entrypoints.launchers.utils.server_utils as server_utils
     import vllm.v1.engine.core as core
+
+    from tests.test_engine_gc import _warm_up
 
     # Freeze this process's heap for real first, as vLLM does at startup: the full
     # collections in each freeze_gc_heap() below then scan only what came after it

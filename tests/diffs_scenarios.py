@@ -341,9 +341,13 @@ def scenario_packed_message_queue(ctx: Context) -> dict[str, Any]:
         try:
             conn.send(queue.export_handle())
             queue.wait_until_ready()
+            steps = []
             for seed, n, dtype in MQ_STEPS:
                 outputs, requests = make_step(np.random.default_rng(seed), n, dtype)
-                packed = _pack(ctx, outputs, dtype, (46, 8))
+                steps.append((_pack(ctx, outputs, dtype, (46, 8)), requests))
+            # And what the real process_output returned, as the executor sends it.
+            steps += packed_helpers()._run_worker_steps(5)
+            for packed, requests in steps:
                 queue.enqueue(ModelRunnerOutput([], {}, aux_output_connector_output=packed))
                 conn.send(requests)
                 assert conn.poll(120), "reader process did not answer"

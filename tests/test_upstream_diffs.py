@@ -1,0 +1,337 @@
+"""patches/: each fix as an upstream-form diff, checked against the installed vLLM and the overlay.
+
+What each release expects (``EXPECTED``): 0.31.0 and 0.32.0 carry one diff per registry
+patch (all five); 0.33.0 carries engine_gc and packed_outputs only, because the store
+patches are fixed upstream there (the registry says so, and a test ties the two).
+
+The parity tests build one patched copy of the installed ``vllm`` package per session
+(hard links, patched files copied; ``scripts/patches.py apply``), then run
+``tests/diffs_scenarios.py`` twice in subprocesses: on the overlay (installed vLLM,
+every applicable prime_r3 patch applied) and on the diffs (``PRIME_R3=0``, the patched
+copy first on ``sys.path``). The scenarios drive vLLM's real code through the project's
+parity harnesses; here the two runs must agree.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prime_r3 import guards
+from prime_r3.patches import REGISTRY
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL = ["engine_gc", "packed_outputs", "store_eviction", "store_headroom", "store_growth"]
+EXPECTED = {
+    "0.31.0": ALL,
+    "0.32.0": ALL,
+    "0.33.0": ["engine_gc", "packed_outputs"],
+}
+SCENARIO_TIMEOUT = 900
+
+
+def _load_script() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "diffs_patches_script", ROOT / "scripts/patches.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+patches = _load_script()
+SITE = patches.installed_site()
+RELEASE = patches.installed_release()
+
+
+# -- the series and the registry ------------------------------------------------------------
+
+
+def test_every_supported_release_has_its_series() -> None:
+    releases = sorted(p.name.removeprefix("vllm-") for p in (ROOT / "patches").glob("vllm-*"))
+    assert releases == sorted(EXPECTED)
+    assert RELEASE in EXPECTED, f"no diffs for the installed vLLM {RELEASE}"
+
+
+@pytest.mark.parametrize("release", sorted(EXPECTED))
+def test_one_diff_per_applicable_registry_patch(release: str) -> None:
+    diffs = patches.series(release)
+    assert [d.name for d in diffs] == EXPECTED[release]
+    assert patches.registry_names(release) == EXPECTED[release]
+    assert patches.registry_mismatch(release, diffs) == []
+    assert [d.order for d in diffs] == [ALL.index(d.name) + 1 for d in diffs]
+    for diff in diffs:
+        text = diff.path.read_text()
+        assert f"prime_r3 registry patch: {diff.name} " in text  # the header names it
+        assert f"(vLLM {release})" in text.splitlines()[0]
+        assert all(f.startswith("vllm/") for f in diff.files)
+
+
+def test_store_patches_are_fixed_upstream_in_033() -> None:
+    for spec in REGISTRY:
+        reason = guards.check_version(spec, "0.33.0")
+        if spec.name in EXPECTED["0.33.0"]:
+            assert reason is None
+        else:
+            assert reason is not None and "fixed upstream" in reason, spec.name
+
+
+def test_a_missing_or_extra_diff_is_reported(tmp_path: Path) -> None:
+    series_dir = tmp_path / "vllm-0.32.0"
+    shutil.copytree(ROOT / "patches/vllm-0.32.0", series_dir)
+    (series_dir / "03-store_eviction.patch").unlink()
+    shutil.copy(series_dir / "05-store_growth.patch", series_dir / "06-store_shrink.patch")
+    problems = patches.registry_mismatch("0.32.0", patches.series("0.32.0", tmp_path))
+    assert problems == [
+        "registry patch 'store_eviction' applies to 0.32.0 but has no diff",
+        "diff 06-store_shrink.patch has no registry patch that applies to 0.32.0",
+    ]
+
+
+# -- applying to the installed release --------------------------------------------------------
+
+
+def test_diffs_apply_cleanly_to_the_installed_release() -> None:
+    found = patches.status(SITE, RELEASE)
+    assert (found.state, found.problems) == ("pristine", [])
+
+
+def test_each_diff_also_applies_alone(tmp_path: Path) -> None:
+    """Like PRIME_R3_PATCHES for the overlay, any one fix can be built in by itself."""
+    for diff in patches.series(RELEASE):
+        work = tmp_path / diff.name
+        for file in diff.files:
+            (work / file).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(SITE / file, work / file)
+        patches._run_patch(diff, work)
+
+
+@pytest.fixture(scope="session")
+def patched_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One patched copy of the installed vllm package per session."""
+    return patches.apply(SITE, RELEASE, tmp_path_factory.mktemp("patched_vllm"))
+
+
+def test_patched_tree_carries_the_series_and_the_install_is_untouched(patched_tree: Path) -> None:
+    assert patches.status(patched_tree, RELEASE).state == "applied"
+    assert patches.status(SITE, RELEASE).state == "pristine"
+    for diff in patches.series(RELEASE):
+        for file in diff.files:
+            assert not os.path.samefile(SITE / file, patched_tree / file)
+
+
+def test_check_fails_loudly_when_upstream_moves(tmp_path: Path) -> None:
+    diffs = patches.series(RELEASE)
+    moved = diffs[-1].files[0]
+    for file in {f for d in diffs for f in d.files}:
+        (tmp_path / file).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(SITE / file, tmp_path / file)
+    with (tmp_path / moved).open("a") as handle:
+        handle.write("\n# upstream changed this file\n")
+    found = patches.status(tmp_path, RELEASE)
+    assert found.state == "moved"
+    assert len(found.problems) == 1 and found.problems[0].startswith(f"{moved}: sha256 ")
+    with pytest.raises(patches.PatchError, match="moved"):
+        patches.apply(tmp_path, RELEASE, tmp_path / "out")
+    cli = [sys.executable, str(ROOT / "scripts/patches.py"), "check", "--site", str(tmp_path)]
+    result = subprocess.run(cli, capture_output=True, text=True, check=False)
+    assert result.returncode == 1 and moved in result.stdout and "moved" in result.stdout
+
+
+def test_check_cli_on_the_installed_tree() -> None:
+    cli = [sys.executable, str(ROOT / "scripts/patches.py"), "check"]
+    result = subprocess.run(cli, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert f"vLLM {RELEASE} at {SITE}: pristine" in result.stdout
+    for diff in patches.series(RELEASE):
+        assert diff.path.name in result.stdout
+
+
+# -- parity: the patched tree (overlay off) against the overlay --------------------------------
+
+
+def _run_scenarios(mode: str, out: Path, patched: Path) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PRIME_R3", "VLLM_GC_"))}
+    env.pop("VLLM_AUX_OUTPUT_STORE_HEADROOM", None)
+    env["VLLM_TARGET_DEVICE"] = "cpu"
+    env["VLLM_LOGGING_LEVEL"] = "ERROR"  # growth warnings would bury a failure's traceback
+    path = [str(ROOT)]
+    if mode == "diffs":
+        env["PRIME_R3"] = "0"
+        path.insert(0, str(patched))
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    command = [sys.executable, "-m", "tests.diffs_scenarios", mode, str(out), "--site", str(SITE)]
+    command += ["--patched", str(patched)]
+    return subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+@pytest.fixture(scope="session")
+def results(patched_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Both runs, side by side (started together: each is mostly its own imports)."""
+    tmp = tmp_path_factory.mktemp("scenarios")
+    runs = {
+        mode: _run_scenarios(mode, tmp / f"{mode}.pickle", patched_tree)
+        for mode in ("overlay", "diffs")
+    }
+    found = {}
+    for mode, process in runs.items():
+        output, _ = process.communicate(timeout=SCENARIO_TIMEOUT)
+        assert process.returncode == 0, f"{mode} scenarios failed:\n{output[-6000:]}"
+        found[mode] = pickle.loads((tmp / f"{mode}.pickle").read_bytes())
+        print(f"{mode} scenarios, seconds: {found[mode]['meta']['seconds']}")
+    return found
+
+
+def _applies(name: str) -> bool:
+    return name in EXPECTED[RELEASE]
+
+
+def _pair(results: dict[str, Any], scenario: str, patch: str) -> tuple[Any, Any]:
+    overlay, diffs = results["overlay"][scenario], results["diffs"][scenario]
+    if not _applies(patch):
+        assert overlay == diffs == {"not_applicable": patch}
+        pytest.skip(f"{patch} is fixed upstream in vLLM {RELEASE}: no diff, no overlay")
+    return overlay, diffs
+
+
+def test_the_runs_used_the_intended_trees(results: dict[str, Any], patched_tree: Path) -> None:
+    overlay, diffs = results["overlay"]["meta"], results["diffs"]["meta"]
+    assert overlay["applied"] == sorted(EXPECTED[RELEASE])
+    assert Path(overlay["vllm_file"]).is_relative_to(SITE)
+    assert diffs["applied"] == []
+    assert Path(diffs["vllm_file"]).is_relative_to(patched_tree)
+
+
+def test_store_victims_and_growth_match(results: dict[str, Any]) -> None:
+    """store_harness.run_sequence: every op checked against the release's own store."""
+    overlay, diffs = _pair(results, "store_sequences", "store_growth")
+    assert diffs["per_seed"] == overlay["per_seed"]
+    no_room = sum(c["no_room"] for c in diffs["per_seed"])
+    assert no_room > 50 and sum(c["grown"] for c in diffs["per_seed"]) == no_room
+
+
+def test_store_pile_up_rotation_matches(results: dict[str, Any]) -> None:
+    """The whole LRU (referenced keys' positions too) after a pile-up, pass and release."""
+    overlay, diffs = _pair(results, "store_pile_up", "store_eviction")
+    assert diffs == overlay
+    first = diffs["states"][0]
+    assert not first[0][0].startswith("r")  # the referenced pile-up left the front
+    assert [k for k, _ in first[-800:]] == [f"r{i}" for i in range(800)]
+
+
+def test_headroom_sizing_matches(results: dict[str, Any]) -> None:
+    overlay, diffs = _pair(results, "headroom", "store_headroom")
+    assert diffs["sizes"] == overlay["sizes"]
+    # 10 KV blocks x 2 hashes per block: 20 objects upstream, 40 by default here.
+    assert diffs["sizes"][(None, None, 10)][0] == 40
+    assert diffs["sizes"][("1.5", None, 7)][0] == 21
+    assert diffs["sizes"][(None, 1000, 10)][0] == 1000 // diffs["sizes"][(None, 1000, 10)][1]
+    assert diffs["rejected"] == overlay["rejected"] == dict.fromkeys(diffs["rejected"], True)
+    assert diffs["grown"] == overlay["grown"]
+    slots, grown_slots, _, _ = diffs["grown"]
+    assert slots == 8 and grown_slots == 2 * slots + 3  # max(needed, 2x)
+
+
+def _outcomes(report: list[tuple[Any, Any]]) -> list[Any]:
+    return [outcome for outcome, _ in report]
+
+
+def test_packed_rows_match_through_the_real_worker_and_take_output(results: dict[str, Any]) -> None:
+    overlay, diffs = _pair(results, "packed_worker", "packed_outputs")
+    assert len(diffs["steps"]) == len(overlay["steps"]) == len(overlay["upstream"])
+    for ours, theirs, upstream in zip(
+        diffs["steps"], overlay["steps"], overlay["upstream"], strict=True
+    ):
+        assert ours["type"] == "vllm.distributed.aux_output_connector.connector.PackedAuxOutputs"
+        assert ours["ids"] == theirs["ids"] == upstream["ids"]
+        for transport in ("direct", "pickled"):
+            assert _outcomes(ours[transport]) == _outcomes(theirs[transport])
+            assert _outcomes(ours[transport]) == _outcomes(upstream[transport])
+            for (_, kept), (_, kept_upstream) in zip(
+                ours[transport], upstream[transport], strict=True
+            ):
+                if kept_upstream is None:
+                    continue
+                # Rows own no more memory than upstream's, and are writable where it is.
+                assert kept[0] <= kept_upstream[0]
+                assert kept[1] or not kept_upstream[1]
+
+
+def test_packed_rows_match_through_the_message_queue(results: dict[str, Any]) -> None:
+    overlay, diffs = _pair(results, "packed_message_queue", "packed_outputs")
+    assert len(diffs["reports"]) == 2 * (4 + 5)  # 4 generated steps, 5 worker steps, twice
+    for ours, theirs in zip(diffs["reports"], overlay["reports"], strict=True):
+        assert _outcomes(ours) == _outcomes(theirs)
+        for outcome, kept in ours:
+            if outcome[0] == "rows":  # a private copy: exactly its own bytes, writable
+                assert kept == (len(outcome[3]), True)
+
+
+def test_ray_detach_matches(results: dict[str, Any]) -> None:
+    overlay, diffs = _pair(results, "ray_detach", "packed_outputs")
+    if RELEASE == "0.33.0":
+        assert diffs == overlay == {"skipped": "this vLLM has no Ray zero-copy detach"}
+        return
+    assert "skipped" not in diffs, diffs
+    assert _outcomes(diffs["report"]) == _outcomes(overlay["report"])
+
+
+def test_gc_thresholds_match(results: dict[str, Any]) -> None:
+    """Worker warm-ups, EngineCore freezes and shutdowns, the API server: same thresholds."""
+    overlay, diffs = _pair(results, "gc", "engine_gc")
+    assert "set_gc_thresholds(engine=True)" in diffs["engine_core_segment"]
+    assert diffs["trace"] == overlay["trace"]  # step, thresholds, freezes so far
+    steps = {step: thresholds for step, thresholds, _ in diffs["trace"]}
+    ours, cpython = (50_000, 20, 100), (700, 10, 10)
+    assert steps["defaults: worker warm-up"] == ours
+    assert steps["defaults: worker re-warm-up after the user changed thresholds"] == (1234, 5, 6)
+    assert steps["defaults: EngineCore A: shutdown, B still running"] == ours
+    assert steps["defaults: EngineCore A: shutdown again"] == ours
+    assert steps["defaults: EngineCore B: shutdown, the last one"] == cpython
+    assert steps["defaults: EngineCore C: shutdown after the user changed thresholds"] == (
+        1111,
+        2,
+        3,
+    )
+    assert steps["defaults: API server lifespan"] == cpython
+    assert steps["40000,15,90 and API server: API server lifespan"] == (40_000, 15, 90)
+    freezes = [f for _, _, f in diffs["trace"][:9]]
+    assert freezes == [1, 2, 3, 4, 4, 4, 4, 5, 6]  # upstream's freezes only, none added
+
+    def accepted(values: dict[str, Any]) -> dict[str, bool]:
+        return {k: not str(v).startswith("rejected") for k, v in values.items()}
+
+    # The same values are accepted and rejected (naming the variable), except the empty
+    # value: the overlay reads it as unset (its defaults), the diff as "keep CPython's".
+    common = [v for v in diffs["values"] if v != ""]
+    assert {v: accepted(diffs["values"])[v] for v in common} == {
+        v: accepted(overlay["values"])[v] for v in common
+    }
+    rejected = [v for v, ok in accepted(diffs["values"]).items() if not ok]
+    assert "2147483648,1,1" in rejected and "-1,2,3" in rejected
+    for value in rejected:
+        assert diffs["values"][value] == overlay["values"][value]
+        assert diffs["values"][value] == "rejected: names the variable: True"
+    before, after = diffs["values"][""]
+    assert before == after  # empty: CPython's thresholds kept
+    assert diffs["values"]["50_000,20,100"][1] == (50_000, 20, 100)
+
+
+def test_overlay_skips_every_patch_on_the_patched_tree(results: dict[str, Any]) -> None:
+    """Installing prime_r3 into an image built with the diffs cannot apply a fix twice."""
+    outcomes = results["diffs"]["meta"]["overlay_if_enabled"]
+    for name in EXPECTED[RELEASE]:
+        state, reason = outcomes[name]
+        assert state == "skipped" and reason.startswith("target source changed"), (name, reason)

@@ -145,15 +145,28 @@ def scenario_store_pile_up(ctx: Context) -> dict[str, Any]:
 # -- store_headroom (with growth and eviction on the connector's store) ------------------
 
 
+class _CapturerStandIn:
+    """What the connector's constructor reads of its capturer (row shape and dtype).
+
+    The sizing comparison builds the connector the same way in both arms (overlay and
+    patched tree); the real capturer and TP group are exercised by test_store_patches'
+    two-rank gloo world, which is too slow to run once per factor here.
+    """
+
+    shape_per_token = (4, 2)
+    output_dtype_name = "uint8"
+
+    def __init__(self, **kwargs: Any) -> None:
+        pass
+
+
 def _build_store(max_bytes: int | None, num_blocks: int) -> Any:
     """The real AuxOutputWorkerConnector built on CPU (GPU pieces stubbed); its store."""
     from vllm.config.aux_output import AuxOutputConfig
     from vllm.distributed.aux_output_connector import worker
 
-    from tests.test_store_patches import _FakeCapturer
-
     monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(worker, "RoutedExpertsCapturer", _FakeCapturer)
+    monkeypatch.setattr(worker, "RoutedExpertsCapturer", _CapturerStandIn)
     monkeypatch.setattr(worker, "bind_routed_experts_capturer", lambda model, capturer: None)
     monkeypatch.setattr(worker, "get_tp_group", lambda: SimpleNamespace(is_first_rank=True))
     monkeypatch.setattr(worker, "resolve_kv_cache_block_sizes", lambda kv, cfg: (32, 16))

@@ -7,13 +7,15 @@ Each step is what ``AuxOutputWorkerConnector._commit_output`` returns: one
 (46 MoE layers x top-8, uint8). Two mixes: ``decode`` (one row per request) and
 ``prefill`` (an 8192-token step: a quarter of the requests carry prefill chunks).
 
-transport  = pack (packed arm only, worker main thread, given the step's
-             ``StepRows`` as the patched ``process_output`` gives it) + pickle + unpickle, using
+transport  = pack (packed arm only, given the step's ``StepRows`` as the patched
+             ``process_output`` gives it; the copy into one array happens while
+             pickling) + pickle + unpickle, using
              MessageQueue's pickler (protocol 5, out-of-band buffers >= 1 MiB,
              received into bytearrays as ``dequeue`` does)
 full path  = transport + one real ``AuxOutputSchedulerConnector.take_output`` per
-             request, as the scheduler calls it (packed: the first lookup builds
-             every value, so take_output includes that)
+             request, as the scheduler calls it (packed: unpickling builds every
+             value, each request's rows copied into an array of its own so a kept
+             chunk pins only that request, so transport includes that)
 mq x-proc  = the real vLLM ``MessageQueue``: enqueue in this process, dequeue (and
              take_output) in a forked reader process, one step at a time
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copyreg
+import functools
 import gc
 import io
 import multiprocessing as mp
@@ -125,6 +128,20 @@ def mq_loads(buffers: list[Any]) -> Any:
     return pickle.loads(buffers[0], buffers=[bytearray(b) for b in buffers[1:]])
 
 
+def real_take_output() -> Callable[..., Any]:
+    """vLLM's real ``take_output``.
+
+    0.31/0.32 build the connector with no arguments; 0.33's constructor needs the
+    Scheduler's KV cache manager (tens of seconds to build offline), and
+    ``take_output`` reads no connector state (its source is a fingerprinted anchor of
+    the patch), so there it is called unbound.
+    """
+    try:
+        return AuxOutputSchedulerConnector().take_output
+    except TypeError:
+        return functools.partial(AuxOutputSchedulerConnector.take_output, None)
+
+
 def take_all(output: Any, requests: list[FakeRequest], take: Callable[..., Any]) -> int:
     rows = 0
     for request in requests:
@@ -156,7 +173,7 @@ def fresh_step(
 
 
 def bench_inprocess(n: int, mix: str, steps: int, seed: int) -> Samples:
-    take = AuxOutputSchedulerConnector().take_output
+    take = real_take_output()
     res: Samples = {k: [] for k in ("d_tr", "p_build", "p_tr", "d_take", "p_take")}
     for step in range(steps):
         outputs, requests, _ = fresh_step(n, mix, seed + step)
@@ -186,7 +203,7 @@ def bench_inprocess(n: int, mix: str, steps: int, seed: int) -> Samples:
 def _reader(handle: Any, conn: Any) -> None:
     queue = MessageQueue.create_from_handle(handle, 0)
     queue.wait_until_ready()
-    take = AuxOutputSchedulerConnector().take_output
+    take = real_take_output()
     while True:
         requests = conn.recv()
         if requests is None:

@@ -16,7 +16,9 @@ for ``PackedAuxOutputs`` over the same steps, after:
 * ``none``: no hop (uniproc executor): the scheduler reads the worker's object.
 
 Before the fix (values were views of the step's packed array) the ``mq`` and ``ray``
-cases kept ~8x upstream's bytes alive, growing with the age of the oldest request.
+cases failed: 17.7 MB kept alive vs 1.9 MB upstream here, and 138.3 MB vs 7.3 MB at
+issue 9's scale (400 requests, 600 steps), growing with the age of the oldest request.
+After it, both are upstream's bytes exactly (an owned array per request).
 """
 
 from __future__ import annotations

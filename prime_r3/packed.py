@@ -3,42 +3,85 @@
 Upstream returns ``dict[request_id, AuxRequestOutput]`` from the output worker each
 step. Pickling that emits one array per running request and EngineCore rebuilds them
 one object at a time, on both halves of the step's critical path, so the cost grows
-with requests per step rather than bytes. ``PackedAuxOutputs`` carries the same data
-as one contiguous rows array plus per-request token starts and row offsets. It pickles
-as three payloads (request ids, one int64 array, the rows) and answers the scheduler's
-``in`` / ``[]`` lookups with real ``AuxRequestOutput`` values whose rows are views.
+with requests per step rather than bytes. ``PackedAuxOutputs`` is that same dict whose
+*pickled form* is one contiguous rows array plus per-request token starts and row
+offsets: three payloads (request ids, one int64 array, the rows) whatever the request
+count.
 
-Lookups: ``PackedAuxOutputs`` is a read-only ``dict``. It arrives empty, as an instance
-of a private subclass whose Python-level accessors fill it with every value on first
-use (one pass, cheaper than building values one lookup at a time) and then switch the
-object to ``PackedAuxOutputs`` itself, whose ``in`` and ``[]`` are dict's own C code:
-the scheduler's per-request lookups then cost what they cost on upstream's dict. The
-worker, which only pickles the object, never builds the values.
+What every consumer sees is upstream's dict (see ``README.md``, ``packed_outputs``):
 
-Writability: after unpickling, the rows live in a buffer this object owns and can
-write (a read-only buffer, as plain ``bytes``, Ray or zmq hand over, is copied once
-per step), so every row view is writable, as upstream's rows are after vLLM's
-MessageQueue, and never aliases a transport buffer that gets reused.
+* Writer side (``pack``): the dict holds upstream's own ``AuxRequestOutput`` values
+  and is packed only when pickled, from its content at that moment (as upstream's
+  dict is pickled from its values at that moment). Without a pickle hop (uniproc
+  executor) nothing is copied and the scheduler reads upstream's values, so rows
+  and memory are upstream's.
+* Reader side (unpickling): the dict is filled at once, every request's rows a
+  private array that owns its memory (one copy out of the step's buffer, as
+  upstream's unpickling makes one array per request). A row chunk kept by the
+  frontend (``OutputProcessor`` keeps every chunk until the request finishes) pins
+  that request's rows only, never the step: an in-process frontend keeps no more
+  alive than upstream does.
+* Generic consumers (msgspec / vLLM's ``MsgpackEncoder``, ``dataclasses.asdict``,
+  ``copy``, ``deepcopy``, ``==``, ``pop``/``del``/``update``) act on the dict's
+  content exactly as on upstream's dict; a later pickle carries the mutated content
+  (upstream's plain dict form if it no longer packs).
+* ``_trusted`` (arrays straight from a writer that never had a dict) makes an
+  *unfilled* instance: its Python-level accessors fill it on first use; C-level
+  readers that bypass them (msgspec) see an empty dict until then, so such an
+  object is for pickling or the scheduler only.
+
+Versioning: the pickled form starts with ``FORMAT_VERSION``; a reader with another
+version raises ``PackedFormatError`` naming both. The handshake (see
+``prime_r3.fixes.packed_outputs``) makes a worker pack only for an EngineCore that
+declared, in the step's connector metadata (``READS_MARK``), the format it reads.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 import operator
 import pickle
 from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple
 
 import numpy as np
 from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
 
-__all__ = ["PackedAuxOutputs", "StepRows"]
+__all__ = [
+    "FORMAT_VERSION",
+    "READS_MARK",
+    "PackedAuxOutputs",
+    "PackedFormatError",
+    "StepRows",
+    "reader_declared",
+]
 
+#: Version of the pickled form; a reader refuses any other (``PackedFormatError``).
+FORMAT_VERSION = 1
+#: Attribute EngineCore sets on a step's ``AuxOutputConnectorMetadata`` to the format
+#: it reads (a plain int, so any worker unpickles it); workers pack only when it
+#: equals their ``FORMAT_VERSION``.
+READS_MARK = "prime_r3_packed_format"
+
+logger = logging.getLogger("vllm.prime_r3")
 _SEPARATOR = "\x00"
 _token_start = operator.attrgetter("token_start")
 _rows = operator.attrgetter("rows")
 _base = operator.attrgetter("base")
 _new = object.__new__
+_copy = np.ndarray.copy
+
+
+def reader_declared(metadata: Any) -> bool:
+    """Whether a step's ``AuxOutputConnectorMetadata`` says EngineCore reads this format.
+
+    Every writer of ``PackedAuxOutputs`` (the ``process_output`` wrapper, or any code
+    that builds one from arrays) sends a packed step only when this is true, and
+    upstream's dict otherwise.
+    """
+    return getattr(metadata, READS_MARK, None) == FORMAT_VERSION
 
 
 class StepRows(NamedTuple):
@@ -57,53 +100,37 @@ class StepRows(NamedTuple):
     num_rejected: np.ndarray
 
 
-class PackedAuxOutputs(dict[str, AuxRequestOutput]):
-    """Read-only ``request_id -> AuxRequestOutput`` dict backed by one rows array.
+class PackedFormatError(RuntimeError):
+    """A packed step written in a format this process does not read."""
 
-    Values are built once, all together, on first access (see the module docstring),
-    so repeated lookups (and attribute updates such as Ray's zero-copy detach) see the
-    same object, as with upstream's dict.
+
+class _Packed(NamedTuple):
+    """A step's packed form: what the pickled payload carries."""
+
+    ids: list[str]
+    joined_ids: str | None  # the ids joined by _SEPARATOR, when none contains it
+    starts: np.ndarray
+    offsets: np.ndarray  # request i's rows are rows[offsets[i]:offsets[i + 1]]
+    rows: np.ndarray
+
+
+class PackedAuxOutputs(dict[str, AuxRequestOutput]):
+    """Upstream's ``request_id -> AuxRequestOutput`` dict that pickles as one rows array.
+
+    See the module docstring for what each side holds. The dict's content is the
+    truth, and the packed form is made from it each time it is pickled (so anything
+    a consumer changed before the hop is what is sent, as with upstream's dict). Only
+    an unfilled instance (``_trusted``) holds a packed form (``_packed``) instead.
     """
 
-    __slots__ = ("_ids", "_joined_ids", "_starts", "_offsets", "_rows")
+    __slots__ = ("_packed", "_step")
 
-    def __init__(
-        self,
-        request_ids: Sequence[str],
-        token_starts: Sequence[int] | np.ndarray,
-        offsets: Sequence[int] | np.ndarray,
-        rows: np.ndarray,
-    ) -> None:
-        """Validate and wrap already-packed data (``pack`` builds it from a dict)."""
-        ids = list(request_ids)
-        starts = np.asarray(token_starts, dtype=np.int64)
-        bounds = np.asarray(offsets, dtype=np.int64)
-        rows = np.ascontiguousarray(rows)
-        n = len(ids)
-        if len(set(ids)) != n:
-            raise ValueError("request ids must be unique")
-        if starts.shape != (n,) or bounds.shape != (n + 1,):
-            raise ValueError(f"need {n} token starts and {n + 1} offsets")
-        if rows.ndim == 0 or rows.dtype.hasobject:
-            raise TypeError(f"rows must be a numeric array of rows, got {rows.dtype}")
-        if bounds[0] != 0 or bounds[-1] != len(rows) or np.any(np.diff(bounds) < 0):
-            raise ValueError("offsets must rise from 0 to the number of rows")
-        self._init(ids, None, starts, bounds, rows)
-        self._fill()
-
-    def _init(
-        self,
-        ids: list[str],
-        joined_ids: str | None,
-        starts: np.ndarray,
-        offsets: np.ndarray,
-        rows: np.ndarray,
-    ) -> None:
-        self._ids = ids
-        self._joined_ids = joined_ids
-        self._starts = starts
-        self._offsets = offsets
-        self._rows = rows
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Same arguments as ``dict``: generic code (``dataclasses.asdict``) rebuilds
+        a dict through its type. Such an instance packs itself when pickled."""
+        self._packed: _Packed | None = None
+        self._step: StepRows | None = None
+        dict.__init__(self, *args, **kwargs)
 
     @classmethod
     def _trusted(
@@ -114,128 +141,218 @@ class PackedAuxOutputs(dict[str, AuxRequestOutput]):
         offsets: np.ndarray,
         rows: np.ndarray,
     ) -> PackedAuxOutputs:
-        """An unfilled instance: its values are built on first access."""
+        """An unfilled instance over already-packed arrays: values are built on first
+        access (each request's rows copied out, owning its memory)."""
         self = dict.__new__(_Unfilled)
-        self._init(ids, joined_ids, starts, offsets, rows)
+        self._packed = _Packed(ids, joined_ids, starts, offsets, rows)
+        self._step = None
+        return self
+
+    @classmethod
+    def from_arrays(
+        cls,
+        request_ids: Sequence[str],
+        token_starts: Sequence[int] | np.ndarray,
+        offsets: Sequence[int] | np.ndarray,
+        rows: np.ndarray,
+    ) -> PackedAuxOutputs:
+        """Validate and wrap already-packed data (filled: values own their rows)."""
+        ids = list(request_ids)
+        starts = np.asarray(token_starts, dtype=np.int64)
+        bounds = np.asarray(offsets, dtype=np.int64)
+        rows = np.ascontiguousarray(rows)
+        n = len(ids)
+        if not all(isinstance(i, str) for i in ids):
+            raise TypeError("request ids must be str")
+        if len(set(ids)) != n:
+            raise ValueError("request ids must be unique")
+        if starts.shape != (n,) or bounds.shape != (n + 1,):
+            raise ValueError(f"need {n} token starts and {n + 1} offsets")
+        if rows.ndim == 0 or rows.dtype.hasobject:
+            raise TypeError(f"rows must be a numeric array of rows, got {rows.dtype}")
+        if bounds[0] != 0 or bounds[-1] != len(rows) or np.any(np.diff(bounds) < 0):
+            raise ValueError("offsets must rise from 0 to the number of rows")
+        self = cls._trusted(ids, None, starts, bounds, rows)
+        self._fill()
         return self
 
     @classmethod
     def pack(
         cls, outputs: Mapping[str, AuxRequestOutput], step: StepRows | None = None
     ) -> PackedAuxOutputs:
-        """Copy one step's outputs into a single rows array, keeping dict order.
+        """Upstream's step outputs as a dict that packs itself when pickled.
 
-        With ``step`` (the worker's ``PendingAuxOutput`` fields), a step whose rows are
-        all views of ``step.routed_experts`` is copied with one slice or gather from it
-        instead of concatenating one small array per request (see ``_gather_rows``).
+        The dict holds ``outputs``' own values, so without a pickle hop (uniproc
+        executor) nothing is copied and readers see upstream's objects. Pickling
+        packs the content of that moment (``_pack``); ``step`` (the worker's
+        ``PendingAuxOutput`` fields) lets it copy a step whose rows are all views of
+        ``step.routed_experts`` with one slice or gather.
 
-        Raises ``TypeError`` / ``ValueError`` if the rows cannot share one array
-        (different dtypes or per-token shapes, non-array rows, non-str ids); the
-        caller then keeps the dict. The copy means no row aliases the step's
-        snapshot or any buffer the worker reuses.
+        Content that cannot share one rows array (never seen from upstream's worker)
+        pickles as upstream's plain dict, with one warning per process.
         """
-        ids = list(outputs)
-        n = len(ids)
-        joined = _SEPARATOR.join(ids)  # TypeError for a non-str id
-        if n == 0:
-            empty = np.zeros(1, dtype=np.int64)
-            return cls._trusted(ids, joined, empty[:0], empty, np.empty(0, dtype=np.uint8))
-        values = list(outputs.values())
-        rows_list = list(map(_rows, values))
-        first = rows_list[0]
-        if type(first) is not np.ndarray or first.ndim == 0 or first.dtype.hasobject:
-            raise TypeError(f"cannot pack rows of type {type(first).__name__}")
-        starts = np.fromiter(map(_token_start, values), dtype=np.int64, count=n)
-        lengths = np.fromiter(map(len, rows_list), dtype=np.int64, count=n)
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        rows = None
-        if step is not None:
-            try:
-                rows = _gather_rows(step, ids, rows_list, lengths, offsets)
-            except (TypeError, ValueError, IndexError):
-                rows = None  # a step that does not look like StepRows says: concatenate
-        if rows is None:
-            # casting="no" refuses mixed dtypes; mismatched per-token shapes raise too.
-            rows = np.concatenate(rows_list, axis=0, dtype=first.dtype, casting="no")
-        if joined.count(_SEPARATOR) != n - 1:
-            joined = None  # an id contains the separator: pickle the id list instead
-        return cls._trusted(ids, joined, starts, offsets, rows)
+        self = dict.__new__(PackedAuxOutputs)
+        self._packed = None
+        self._step = step
+        dict.update(self, outputs)
+        return self
 
-    # -- filling -------------------------------------------------------------------
+    def packed(self) -> _Packed:
+        """The packed form of the current content (made now unless unfilled)."""
+        if self._packed is not None:
+            return self._packed
+        return _pack(list(dict.keys(self)), list(dict.values(self)), self._step)
+
+    # -- filling (reader side) -----------------------------------------------------
 
     def _fill(self) -> None:
         """Build every value in one pass, then become a plain (C-speed) instance.
 
+        Each request's rows are copied out of the step's buffer into an array that
+        owns its memory, so a kept row chunk pins that request's rows only (as with
+        upstream's per-request arrays), and the step's buffer is dropped here.
         ``AuxRequestOutput`` is a plain dataclass (an anchor of the patch): setting its
         two fields directly is what its ``__init__`` does, at a third of the cost.
         """
-        rows = self._rows
-        offsets = self._offsets
-        n = len(self._ids)
+        packed = self._packed
+        assert packed is not None
+        ids, _, starts, offsets, rows = packed
+        n = len(ids)
         if int(offsets[-1]) == n and bool((offsets[1:] - offsets[:-1] == 1).all()):
             # Decode step, one row each: numpy's iteration makes the views in C.
-            views = list(rows.reshape((n, 1, *rows.shape[1:])))
+            views: Any = rows.reshape((n, 1, *rows.shape[1:]))
         else:
             bounds = offsets.tolist()
-            views = list(map(rows.__getitem__, map(slice, bounds, bounds[1:])))
+            views = map(rows.__getitem__, map(slice, bounds, bounds[1:]))
         values = []
         append = values.append
-        for token_start, view in zip(self._starts.tolist(), views, strict=True):
+        for token_start, owned in zip(starts.tolist(), map(_copy, views), strict=True):
             item = _new(AuxRequestOutput)
             item.token_start = token_start
-            item.rows = view
+            item.rows = owned
             append(item)
-        dict.update(self, zip(self._ids, values, strict=True))
+        dict.update(self, zip(ids, values, strict=True))
+        self._packed = None
         self.__class__ = PackedAuxOutputs
 
-    # -- read-only -----------------------------------------------------------------
+    # -- dict behaviour beyond lookups ---------------------------------------------
 
-    def _read_only(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise TypeError(f"{type(self).__name__} is read-only")
+    def _mutator(name: str) -> Any:  # type: ignore[misc]  # noqa: N805 - class-body helper
+        """``dict.<name>``, after an unfilled instance made its content real."""
+        method = getattr(dict, name)
 
-    __setitem__ = __delitem__ = __ior__ = _read_only
-    clear = pop = popitem = setdefault = update = _read_only
+        def mutate(self: PackedAuxOutputs, *args: Any, **kwargs: Any) -> Any:
+            if type(self) is _Unfilled:
+                self._fill()
+            return method(self, *args, **kwargs)
 
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}({len(self._ids)} requests, "
-            f"rows {self._rows.shape} {self._rows.dtype})"
-        )
+        mutate.__name__ = mutate.__qualname__ = name
+        return mutate
+
+    __setitem__ = _mutator("__setitem__")
+    __delitem__ = _mutator("__delitem__")
+    __ior__ = _mutator("__ior__")
+    clear = _mutator("clear")
+    pop = _mutator("pop")
+    popitem = _mutator("popitem")
+    setdefault = _mutator("setdefault")
+    update = _mutator("update")
+    del _mutator
+
+    def __copy__(self) -> PackedAuxOutputs:
+        """Shallow, as ``copy.copy`` of upstream's dict: the same value objects."""
+        return PackedAuxOutputs.pack(self, self._step)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PackedAuxOutputs:
+        """As ``copy.deepcopy`` of upstream's dict: new values, new rows arrays."""
+        new = PackedAuxOutputs()
+        memo[id(self)] = new
+        for key, value in self.items():
+            dict.__setitem__(new, copy.deepcopy(key, memo), copy.deepcopy(value, memo))
+        return new
 
     # -- packed views ------------------------------------------------------------
 
     @property
     def rows(self) -> np.ndarray:
         """All requests' rows, in request order (request i is ``offsets[i]:offsets[i+1]``)."""
-        return self._rows
+        return self.packed().rows
 
     @property
     def token_starts(self) -> np.ndarray:
-        return self._starts
+        return self.packed().starts
 
     @property
     def offsets(self) -> np.ndarray:
-        return self._offsets
+        return self.packed().offsets
 
     # -- pickling ------------------------------------------------------------------
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[Any, ...]]:
-        """Three payloads, whatever the request count: ids, int64 starts+offsets, rows.
+        """``FORMAT_VERSION`` then three payloads: ids, int64 starts+offsets, rows.
 
         With protocol 5 the rows go as a ``PickleBuffer``, so vLLM's MessageQueue
         sends a large step out of band without copying it into the pickle stream.
+        Content that cannot be packed (a consumer stored other values) pickles as
+        upstream's plain dict.
         """
-        ids: str | tuple[str, ...] | None = self._joined_ids
-        if ids is None:
-            ids = tuple(self._ids)
-        ints = np.concatenate((self._starts, self._offsets)).tobytes()
-        rows = self._rows
+        try:
+            ids, joined, starts, offsets, rows = self.packed()
+        except (TypeError, ValueError, AttributeError) as error:
+            _warn_unpacked(error)
+            return dict, (dict(self),)
+        ints = np.concatenate((starts, offsets)).tobytes()
         payload: Any = pickle.PickleBuffer(rows) if protocol >= 5 else rows.tobytes()
-        return _rebuild, (len(self._ids), ids, ints, payload, rows.dtype, rows.shape[1:])
+        id_field = joined if joined is not None else tuple(ids)
+        fields = (len(ids), id_field, ints, payload, rows.dtype, rows.shape[1:])
+        return _rebuild, (FORMAT_VERSION, *fields)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return self.__reduce_ex__(2)
+
+
+def _pack(ids: list[str], values: list[Any], step: StepRows | None) -> _Packed:
+    """Copy a step's rows into one array, keeping dict order.
+
+    Raises ``TypeError`` / ``ValueError`` if the rows cannot share one array
+    (different dtypes or per-token shapes, non-array rows, non-str ids). The copy
+    means no packed row aliases the step's snapshot or a buffer the worker reuses.
+    """
+    n = len(ids)
+    joined: str | None = _SEPARATOR.join(ids)  # TypeError for a non-str id
+    if n == 0:
+        empty = np.zeros(1, dtype=np.int64)
+        return _Packed(ids, joined, empty[:0], empty, np.empty(0, dtype=np.uint8))
+    rows_list = list(map(_rows, values))
+    first = rows_list[0]
+    if type(first) is not np.ndarray or first.ndim == 0 or first.dtype.hasobject:
+        raise TypeError(f"cannot pack rows of type {type(first).__name__}")
+    starts = np.fromiter(map(_token_start, values), dtype=np.int64, count=n)
+    lengths = np.fromiter(map(len, rows_list), dtype=np.int64, count=n)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    rows = None
+    if step is not None:
+        try:
+            rows = _gather_rows(step, ids, rows_list, lengths, offsets)
+        except (TypeError, ValueError, IndexError):
+            rows = None  # a step that does not look like StepRows says: concatenate
+    if rows is None:
+        # casting="no" refuses mixed dtypes; mismatched per-token shapes raise too.
+        rows = np.concatenate(rows_list, axis=0, dtype=first.dtype, casting="no")
+    if joined is not None and joined.count(_SEPARATOR) != n - 1:
+        joined = None  # an id contains the separator: pickle the id list instead
+    return _Packed(ids, joined, starts, offsets, rows)
+
+
+_warned = False
+
+
+def _warn_unpacked(error: Exception) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        logger.warning("prime_r3 packed_outputs: sending a step unpacked: %s", error)
 
 
 def _filled(name: str) -> Any:
@@ -259,10 +376,10 @@ class _Unfilled(PackedAuxOutputs):
     __slots__ = ()
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return len(self._packed.ids)  # type: ignore[union-attr]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._ids)
+        return iter(self._packed.ids)  # type: ignore[union-attr]
 
 
 for _name in (
@@ -273,6 +390,9 @@ for _name in (
     "__ne__",
     "__or__",
     "__ror__",
+    "__repr__",
+    "__copy__",
+    "__deepcopy__",
     "get",
     "keys",
     "values",
@@ -345,15 +465,21 @@ def _gather_rows(
     return source.take(index_rows, axis=0)
 
 
-def _rebuild(
-    n: int,
-    ids: str | tuple[str, ...],
-    ints: bytes,
-    payload: Any,
-    dtype: np.dtype[Any],
-    token_shape: tuple[int, ...],
-) -> PackedAuxOutputs:
-    """Unpickle: one copy at most per step, and only out of a read-only buffer."""
+def _rebuild(version: Any, *fields: Any) -> PackedAuxOutputs:
+    """Unpickle and fill: every request's rows become a private, writable array.
+
+    The version comes first and the rest is taken as ``*fields``, so a step packed by
+    another format version fails here with both versions named, not with a
+    ``TypeError`` about arguments.
+    """
+    if version != FORMAT_VERSION:
+        raise PackedFormatError(
+            f"prime_r3 packed_outputs: a worker sent a step packed in format {version!r}, "
+            f"this process reads format {FORMAT_VERSION} (prime_r3 {_prime_r3_version()}); "
+            "run the same prime_r3 in EngineCore and every worker, or set "
+            "PRIME_R3_PATCHES=all,-packed_outputs on the workers"
+        )
+    n, ids, ints, payload, dtype, token_shape = fields
     if isinstance(ids, str):
         id_list = ids.split(_SEPARATOR) if n else []
         joined: str | None = ids
@@ -361,8 +487,16 @@ def _rebuild(
         id_list, joined = list(ids), None
     numbers = np.frombuffer(ints, dtype=np.int64)
     starts, offsets = numbers[:n], numbers[n:]
-    if memoryview(payload).readonly:
-        payload = bytearray(payload)
     rows = np.frombuffer(payload, dtype=np.uint8).view(dtype)
     rows = rows.reshape((int(offsets[-1]), *token_shape))
-    return PackedAuxOutputs._trusted(id_list, joined, starts, offsets, rows)
+    received = PackedAuxOutputs._trusted(id_list, joined, starts, offsets, rows)
+    received._fill()  # copies every request's rows out of the transport buffer
+    return received
+
+
+def _prime_r3_version() -> str:
+    try:
+        from prime_r3 import __version__
+    except ImportError:  # pragma: no cover - prime_r3 is this package
+        return "unknown"
+    return __version__

@@ -7,17 +7,21 @@ Each step is what ``AuxOutputWorkerConnector._commit_output`` returns: one
 (46 MoE layers x top-8, uint8). Two mixes: ``decode`` (one row per request) and
 ``prefill`` (an 8192-token step: a quarter of the requests carry prefill chunks).
 
-transport  = pack (packed arm only, worker main thread, given the step's
-             ``StepRows`` as the patched ``process_output`` gives it) + pickle + unpickle, using
+transport  = pack (packed arm only, given the step's ``StepRows`` as the patched
+             ``process_output`` gives it; the copy into one array happens while
+             pickling) + pickle + unpickle, using
              MessageQueue's pickler (protocol 5, out-of-band buffers >= 1 MiB,
              received into bytearrays as ``dequeue`` does)
 full path  = transport + one real ``AuxOutputSchedulerConnector.take_output`` per
-             request, as the scheduler calls it (packed: the first lookup builds
-             every value, so take_output includes that)
+             request, as the scheduler calls it (packed: unpickling builds every
+             value, each request's rows copied into an array of its own so a kept
+             chunk pins only that request, so transport includes that)
 mq x-proc  = the real vLLM ``MessageQueue``: enqueue in this process, dequeue (and
              take_output) in a forked reader process, one step at a time
 
-Times are medians over steps, in ms; the cyclic GC is paused inside timed regions
+Times are medians over steps, in ms of the timing thread's CPU time by default
+(``--clock cpu``: robust when other processes share the cores, as wall time is not);
+``--clock wall`` measures wall time. The cyclic GC is paused inside timed regions
 (collections are a separate, GC-threshold matter). Ratios are dict / packed.
 """
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copyreg
+import functools
 import gc
 import io
 import multiprocessing as mp
@@ -52,6 +57,8 @@ from prime_r3.packed import PackedAuxOutputs, StepRows  # noqa: E402
 SHAPE = (46, 8)
 PREFILL_BUDGET = 8192
 INLINE_LIMIT = 1024 * 1024  # MessageQueue.enqueue inlines buffers below 1 MiB
+CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
+_clock = CLOCKS["cpu"]  # set by --clock; the forked reader inherits it
 
 
 class FakeRequest:
@@ -125,6 +132,20 @@ def mq_loads(buffers: list[Any]) -> Any:
     return pickle.loads(buffers[0], buffers=[bytearray(b) for b in buffers[1:]])
 
 
+def real_take_output() -> Callable[..., Any]:
+    """vLLM's real ``take_output``.
+
+    0.31/0.32 build the connector with no arguments; 0.33's constructor needs the
+    Scheduler's KV cache manager (tens of seconds to build offline), and
+    ``take_output`` reads no connector state (its source is a fingerprinted anchor of
+    the patch), so there it is called unbound.
+    """
+    try:
+        return AuxOutputSchedulerConnector().take_output
+    except TypeError:
+        return functools.partial(AuxOutputSchedulerConnector.take_output, None)
+
+
 def take_all(output: Any, requests: list[FakeRequest], take: Callable[..., Any]) -> int:
     rows = 0
     for request in requests:
@@ -156,26 +177,26 @@ def fresh_step(
 
 
 def bench_inprocess(n: int, mix: str, steps: int, seed: int) -> Samples:
-    take = AuxOutputSchedulerConnector().take_output
+    take = real_take_output()
     res: Samples = {k: [] for k in ("d_tr", "p_build", "p_tr", "d_take", "p_take")}
     for step in range(steps):
         outputs, requests, _ = fresh_step(n, mix, seed + step)
         gc.disable()
-        t0 = time.perf_counter()
+        t0 = _clock()
         received = mq_loads(mq_dumps(outputs))
-        t1 = time.perf_counter()
+        t1 = _clock()
         d_rows = take_all(received, requests, take)
-        t2 = time.perf_counter()
+        t2 = _clock()
         gc.enable()
         outputs, requests, rows = fresh_step(n, mix, seed + step)
         gc.disable()
-        t3 = time.perf_counter()
+        t3 = _clock()
         packed = PackedAuxOutputs.pack(outputs, rows)
-        t4 = time.perf_counter()
+        t4 = _clock()
         received_p = mq_loads(mq_dumps(packed))
-        t5 = time.perf_counter()
+        t5 = _clock()
         p_rows = take_all(received_p, requests, take)
-        t6 = time.perf_counter()
+        t6 = _clock()
         gc.enable()
         assert d_rows == p_rows
         for key, value in zip(res, (t1 - t0, t4 - t3, t5 - t3, t2 - t1, t6 - t5), strict=True):
@@ -186,18 +207,18 @@ def bench_inprocess(n: int, mix: str, steps: int, seed: int) -> Samples:
 def _reader(handle: Any, conn: Any) -> None:
     queue = MessageQueue.create_from_handle(handle, 0)
     queue.wait_until_ready()
-    take = AuxOutputSchedulerConnector().take_output
+    take = real_take_output()
     while True:
         requests = conn.recv()
         if requests is None:
             return
         gc.collect()
         gc.disable()
-        t0 = time.perf_counter()
+        t0 = _clock()
         output = queue.dequeue()
-        t1 = time.perf_counter()
+        t1 = _clock()
         rows = take_all(output, requests, take)
-        t2 = time.perf_counter()
+        t2 = _clock()
         gc.enable()
         conn.send((t1 - t0, t2 - t1, rows))
 
@@ -228,11 +249,11 @@ def bench_message_queue(
                     for arm in ("d", "p"):
                         outputs, requests, rows = fresh_step(n, mix, seed + step)
                         gc.disable()
-                        t0 = time.perf_counter()
+                        t0 = _clock()
                         queue.enqueue(
                             outputs if arm == "d" else PackedAuxOutputs.pack(outputs, rows)
                         )
-                        enq = time.perf_counter() - t0
+                        enq = _clock() - t0
                         gc.enable()
                         # Sent after enqueue, so the reader's dequeue does not include
                         # waiting (and a spinning reader does not steal the writer's core).
@@ -254,12 +275,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", default="400,1000,2000")
     parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
     args = parser.parse_args(argv)
+    global _clock
+    _clock = CLOCKS[args.clock]
     sizes = [int(x) for x in args.requests.split(",")]
     mixes = ["decode", "prefill"]
     started = time.perf_counter()
 
-    print(f"rows per token {SHAPE} uint8; ms per step, median of {args.steps} steps")
+    print(f"rows per token {SHAPE} uint8; {args.clock} ms per step, median of {args.steps} steps")
     print("ratio = dict / packed on medians; [min] = the same ratio on per-arm minimums")
     head = (
         f"{'reqs':>5} {'mix':>7} | transport: {'dict':>7} {'packed':>7} {'ratio':>6} {'[min]':>6}"

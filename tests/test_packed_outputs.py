@@ -12,11 +12,14 @@ import os
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
+import functools  # noqa: E402
 import gc  # noqa: E402
 import multiprocessing  # noqa: E402
 import pickle  # noqa: E402
 import pickletools  # noqa: E402
-from collections.abc import Mapping  # noqa: E402
+from collections.abc import Callable, Iterator, Mapping  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -28,15 +31,63 @@ from vllm.distributed.aux_output_connector.connector import (  # noqa: E402
     AuxRequestOutput,
     PackedBlockHashes,
 )
-from vllm.distributed.aux_output_connector.routed_experts import RoutedExpertsBuffer  # noqa: E402
-from vllm.distributed.aux_output_connector.store import BlockObjectStore  # noqa: E402
 from vllm.distributed.device_communicators.shm_broadcast import MessageQueue  # noqa: E402
 
 import prime_r3  # noqa: E402
 from prime_r3.fixes import packed_outputs  # noqa: E402
-from prime_r3.packed import PackedAuxOutputs  # noqa: E402
+from prime_r3.packed import FORMAT_VERSION, READS_MARK, PackedAuxOutputs  # noqa: E402
 
-TAKE = AuxOutputSchedulerConnector().take_output
+BLOCK = 4
+LAYERS_TOPK = (3, 2)
+
+
+@contextmanager
+def _overlay_off() -> Iterator[None]:
+    """vLLM loads its general plugins (prime_r3) while building a config: keep them off."""
+    saved = os.environ.get("PRIME_R3")
+    os.environ["PRIME_R3"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["PRIME_R3"]
+        else:
+            os.environ["PRIME_R3"] = saved
+
+
+@functools.cache
+def real_vllm() -> SimpleNamespace:
+    """vLLM's real config, KV layout and Scheduler (built as EngineCore builds it, via the
+    bench's offline setup): 3 MoE layers x top-2 over 300 experts (uint16 rows), KV
+    block size 4. Its ``aux_output_connector`` is the real scheduler connector, made by
+    the Scheduler with its real constructor (0.33's takes the KV cache manager)."""
+    from prime_r3.bench import vllm_setup
+    from prime_r3.bench.workload import BenchConfig
+
+    cfg = BenchConfig(
+        concurrency=8, layers=LAYERS_TOPK[0], topk=LAYERS_TOPK[1], experts=300,
+        block_size=BLOCK, prefix_len=8, problem_len=8, max_tokens=32,
+        max_num_batched_tokens=256, kv_blocks=64,
+    )  # fmt: skip
+    with _overlay_off():
+        vllm_config = vllm_setup.build_vllm_config(cfg, r3=True)
+        kv_cache_config = vllm_setup.build_kv_cache_config(cfg)
+        scheduler = vllm_setup.build_scheduler(vllm_config, kv_cache_config)
+    assert type(scheduler.aux_output_connector) is AuxOutputSchedulerConnector
+    return SimpleNamespace(
+        vllm_config=vllm_config, kv_cache_config=kv_cache_config, scheduler=scheduler
+    )
+
+
+def real_take_output() -> Callable[..., Any]:
+    """The real ``take_output``, bound to the real Scheduler's connector."""
+    return real_vllm().scheduler.aux_output_connector.take_output
+
+
+def TAKE(request: Any, output: Any) -> Any:  # noqa: N802 - reads as the consumer
+    return real_take_output()(request, output)
+
+
 SHAPES = [(46, 8), (4, 2), (3,), (2, 0)]
 
 
@@ -176,21 +227,23 @@ def test_mapping_behaves_like_the_dict() -> None:
     packed = PackedAuxOutputs.pack(outputs)
     assert isinstance(packed, Mapping) and len(packed) == len(outputs)
     assert list(packed) == list(outputs) and list(packed.keys()) == list(outputs.keys())
+    # Writer side: the dict holds upstream's own values (the packed form is for pickling).
     for (key, value), (ref_key, ref) in zip(packed.items(), outputs.items(), strict=True):
+        assert key == ref_key and value is ref
+    received = pickle.loads(pickle.dumps(packed, protocol=5))
+    for (key, value), (ref_key, ref) in zip(received.items(), outputs.items(), strict=True):
         assert key == ref_key and type(value) is AuxRequestOutput
         assert value.token_start == ref.token_start and type(value.token_start) is int
         assert value.rows.dtype == ref.rows.dtype and np.array_equal(value.rows, ref.rows)
-    assert [v.token_start for v in packed.values()] == [v.token_start for v in outputs.values()]
     first = next(iter(outputs))
-    assert packed[first] is packed.get(first)  # built once, so attribute updates stick
-    assert packed.get("nope") is None and packed.get("nope", 3) == 3 and "nope" not in packed
-    with pytest.raises(KeyError) as packed_error:
-        packed["nope"]
-    with pytest.raises(KeyError) as dict_error:
-        outputs["nope"]
-    assert packed_error.value.args == dict_error.value.args
-    with pytest.raises(TypeError):
-        packed[first] = packed[first]  # type: ignore[index]
+    for got in (packed, received):
+        assert got[first] is got.get(first)  # built once, so attribute updates stick
+        assert got.get("nope") is None and got.get("nope", 3) == 3 and "nope" not in got
+        with pytest.raises(KeyError) as packed_error:
+            got["nope"]
+        with pytest.raises(KeyError) as dict_error:
+            outputs["nope"]
+        assert packed_error.value.args == dict_error.value.args
 
 
 def test_pickle_size_does_not_grow_objects_per_request() -> None:
@@ -212,19 +265,30 @@ def test_pickle_size_does_not_grow_objects_per_request() -> None:
 
 
 def test_unpacked_fallback_and_validation() -> None:
+    """Content that cannot share one rows array pickles as upstream's plain dict."""
     rows = np.zeros((2, 3), np.uint8)
     mixed = {"a": AuxRequestOutput(0, rows), "b": AuxRequestOutput(0, rows.astype(np.uint16))}
-    with pytest.raises(TypeError):
-        PackedAuxOutputs.pack(mixed)
+    shapes = {"a": AuxRequestOutput(0, rows), "b": AuxRequestOutput(0, rows.T)}
+    non_str = {1: AuxRequestOutput(0, rows)}
+    for outputs in (mixed, shapes, non_str):
+        packed = PackedAuxOutputs.pack(outputs)  # type: ignore[arg-type]
+        assert dict(packed) == outputs
+        received = pickle.loads(pickle.dumps(packed, protocol=5))
+        assert type(received) is dict and list(received) == list(outputs)
+        for key, value in received.items():
+            assert np.array_equal(value.rows, outputs[key].rows)
+            assert value.rows.dtype == outputs[key].rows.dtype
     with pytest.raises(ValueError):
-        PackedAuxOutputs.pack({"a": AuxRequestOutput(0, rows), "b": AuxRequestOutput(0, rows.T)})
-    with pytest.raises(ValueError):
-        PackedAuxOutputs(["a"], [0], [0, 3], rows)
+        PackedAuxOutputs.from_arrays(["a"], [0], [0, 3], rows)
     wrapper = packed_outputs._pack_step_output({})
-    assert wrapper(lambda: mixed, None, (), {}) is mixed  # upstream's dict goes on unchanged
-    assert wrapper(lambda: None, None, (), {}) is None
-    packed = wrapper(lambda: {"a": AuxRequestOutput(0, rows)}, None, (), {})
+    declared = AuxOutputConnectorMetadata(0, {}, {}, ())
+    setattr(declared, READS_MARK, FORMAT_VERSION)
+    worker = SimpleNamespace(_step_metadata=declared)
+    assert wrapper(lambda: None, worker, (), {}) is None  # no output: None goes on
+    packed = wrapper(lambda: {"a": AuxRequestOutput(0, rows)}, worker, (), {})
     assert isinstance(packed, PackedAuxOutputs)
+    undeclared = SimpleNamespace(_step_metadata=AuxOutputConnectorMetadata(0, {}, {}, ()))
+    assert type(wrapper(lambda: {"a": AuxRequestOutput(0, rows)}, undeclared, (), {})) is dict
 
 
 def test_ids_containing_the_separator_survive() -> None:
@@ -263,8 +327,12 @@ def test_ray_zero_copy_detach_keeps_parity() -> None:
     """vLLM's real detach (Ray executor) iterates values() and reassigns rows."""
     ray_utils = pytest.importorskip("vllm.v1.executor.ray_utils")
     detach = getattr(ray_utils, "detach_zero_copy_from_model_runner_output", None)
-    if detach is None:
-        pytest.skip("this vLLM has no Ray zero-copy detach")
+    if detach is None:  # 0.31 and 0.32 have it; 0.33 removed it
+        import vllm
+        from packaging.version import Version
+
+        assert Version(vllm.__version__) >= Version("0.33"), vllm.__version__
+        pytest.skip(f"vLLM {vllm.__version__} has no Ray zero-copy detach")
     from vllm.v1.outputs import ModelRunnerOutput
 
     outputs, requests = make_step(np.random.default_rng(31), 200)
@@ -336,32 +404,21 @@ def test_message_queue_round_trip_between_processes(max_chunk_bytes: int) -> Non
 
 # -- the real worker path: AuxOutputWorkerConnector.process_output ----------------------
 
-BLOCK = 4
-LAYERS_TOPK = (3, 2)
-
 
 def _connector() -> aux_worker.AuxOutputWorkerConnector:
-    """The output rank's data plane as __init__ builds it, minus the GPU capturer."""
-    dtype = np.dtype(np.uint16)
-    connector = object.__new__(aux_worker.AuxOutputWorkerConnector)
-    connector._store = BlockObjectStore(  # type: ignore[assignment]
-        max_bytes=64 * BLOCK * 6 * 2, object_nbytes=BLOCK * 6 * dtype.itemsize
-    )
-    connector._buffer = RoutedExpertsBuffer(dtype, LAYERS_TOPK, BLOCK, 8, 64, 2)
-    connector._requests = {}
-    connector._generation = 0
-    connector._step_metadata = None
-    connector._pending_outputs = []
-    connector._lock = aux_worker.Lock()
-    connector._max_concurrent_batches = 2
-    return connector
+    """The output rank's real connector, built by its real constructor (store and buffer
+    sized from the real config), with the bench's CPU capturer in place of the GPU one."""
+    from prime_r3.bench import vllm_setup
+
+    real = real_vllm()
+    return vllm_setup.build_worker_connector(real.vllm_config, real.kv_cache_config)
 
 
 def _hashes(*names: str) -> PackedBlockHashes:
     return PackedBlockHashes(b"".join(n.encode().ljust(8, b"_") for n in names), 8)
 
 
-def _run_worker_steps(seed: int) -> list[tuple[Any, list[Req]]]:
+def _run_worker_steps(seed: int, declared: bool = True) -> list[tuple[Any, list[Req]]]:
     """Five steps through the real connector: prefix-cache hits whose rows come from the
     store (read-only, and store + tail), chunked prefill, decode, rejected speculative
     tokens, a step with no sampled token, and a finished request torn down."""
@@ -388,7 +445,10 @@ def _run_worker_steps(seed: int) -> list[tuple[Any, list[Req]]]:
     ]
     results = []
     for emit_starts, hashes, finished, batch in steps:
-        connector.begin_step(AuxOutputConnectorMetadata(0, emit_starts, hashes, finished))
+        metadata = AuxOutputConnectorMetadata(0, emit_starts, hashes, finished)
+        if declared:  # EngineCore said it reads packed steps (see test_packed_handshake)
+            setattr(metadata, READS_MARK, FORMAT_VERSION)
+        connector.begin_step(metadata)
         sizes = [scheduled for _, _, scheduled, _, _ in batch]
         pending = aux_worker.PendingAuxOutput(
             connector=connector,
@@ -443,14 +503,20 @@ def test_worker_process_output_parity_with_patch_applied(reverted: pytest.Monkey
         assert_writable_where_upstream_is(theirs, received, requests)
 
 
-def test_packed_rows_do_not_alias_the_step_snapshot() -> None:
-    """Uniproc executor: nothing is pickled, so rows kept downstream must be a private copy."""
+def test_packed_form_does_not_alias_the_step_snapshot() -> None:
+    """Uniproc executor: nothing is pickled or copied, and the scheduler reads upstream's
+    own values (views of the snapshot, exactly as upstream). Pickling, like upstream's,
+    reads the rows when it runs; the packed form is a private copy."""
     snapshot = np.arange(24, dtype=np.uint8).reshape(8, 3)
-    packed = PackedAuxOutputs.pack({"a": AuxRequestOutput(0, snapshot[2:5])})
-    kept = TAKE(Req("a", 4), packed)
-    snapshot[:] = 0
-    assert kept.tolist() == [[6, 7, 8], [9, 10, 11], [12, 13, 14]]
+    outputs = {"a": AuxRequestOutput(0, snapshot[2:5])}
+    packed = PackedAuxOutputs.pack(outputs)
+    assert TAKE(Req("a", 4), packed).base is TAKE(Req("a", 4), outputs).base
     assert not np.shares_memory(packed.rows, snapshot)
+    snapshot[3] = 0
+    received = pickle.loads(pickle.dumps(packed, protocol=5))
+    upstream = pickle.loads(pickle.dumps(outputs, protocol=5))
+    assert received["a"].rows.tolist() == upstream["a"].rows.tolist() == snapshot[2:5].tolist()
+    assert not np.shares_memory(received["a"].rows, snapshot)
 
 
 def test_worker_steps_take_both_the_gather_and_the_concatenate(
@@ -473,11 +539,14 @@ def test_worker_steps_take_both_the_gather_and_the_concatenate(
     assert report.outcome("packed_outputs").state == "applied", report.summary()
     patched = _run_worker_steps(seed=5)
     prime_r3.revert(["packed_outputs"])
+    assert paths == []  # nothing is packed until the step is pickled
+    sent = [pickle.loads(pickle.dumps(ours, protocol=5)) for ours, _ in patched]
     # 0: one prefill; 1: B and C from the store; 2: A's rejected tail leaves a gap;
     # 3: B emits nothing (a subsequence of the batch); 4: B read back from the buffer.
     assert paths == ["gather", "concatenate", "gather", "gather", "concatenate"]
-    for (theirs, requests), (ours, _) in zip(upstream, patched, strict=True):
+    for (theirs, requests), (ours, _), received in zip(upstream, patched, sent, strict=True):
         assert_parity(theirs, ours, requests)
+        assert_parity(theirs, received, requests)
         concatenated = PackedAuxOutputs.pack(theirs)
         assert np.array_equal(ours.rows, concatenated.rows)
         assert np.array_equal(ours.offsets, concatenated.offsets)
@@ -581,22 +650,24 @@ def test_gather_refuses_rows_it_cannot_place() -> None:
         )
 
 
-def test_values_are_built_once_then_lookups_are_dict_lookups() -> None:
+def test_lookups_are_dict_lookups_on_every_side() -> None:
+    """Writer side and reader side are plain filled dicts (dict's own ``in`` / ``[]``);
+    only ``_trusted`` (arrays from a writer that never had a dict) fills on first read."""
     outputs, requests = make_step(np.random.default_rng(3), 100)
-    for packed in (
-        PackedAuxOutputs.pack(outputs),
-        pickle.loads(pickle.dumps(PackedAuxOutputs.pack(outputs), protocol=5)),
-    ):
-        assert type(packed) is not PackedAuxOutputs and isinstance(packed, PackedAuxOutputs)
-        assert len(packed) == 100 and list(packed) == list(outputs)  # no fill needed
-        assert dict.__len__(packed) == 0
-        assert next(iter(outputs)) in packed  # the first read fills every value
+    written = PackedAuxOutputs.pack(outputs)
+    received = pickle.loads(pickle.dumps(written, protocol=5))
+    for packed in (written, received):
         assert type(packed) is PackedAuxOutputs and dict.__len__(packed) == 100
         assert type(packed).__contains__ is dict.__contains__
         assert type(packed).__getitem__ is dict.__getitem__
         assert_parity(outputs, packed, requests)
-        assert dict(packed).keys() == outputs.keys()
-        with pytest.raises(TypeError):
-            packed.update({})
-        with pytest.raises(TypeError):
-            del packed[next(iter(outputs))]
+    trusted = PackedAuxOutputs._trusted(
+        list(written), None, written.token_starts, written.offsets, written.rows
+    )
+    assert type(trusted) is not PackedAuxOutputs and isinstance(trusted, PackedAuxOutputs)
+    assert len(trusted) == 100 and list(trusted) == list(outputs)  # no fill needed
+    assert dict.__len__(trusted) == 0
+    assert next(iter(outputs)) in trusted  # the first read fills every value
+    assert type(trusted) is PackedAuxOutputs and dict.__len__(trusted) == 100
+    assert all(value.rows.flags.owndata for value in trusted.values())
+    assert_parity(outputs, trusted, requests)

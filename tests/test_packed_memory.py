@@ -1,0 +1,189 @@
+"""packed_outputs keeps no more memory alive than upstream, whatever the transport.
+
+The scenario of issue 9 item 1: the frontend runs in EngineCore's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``LLM`` / ``AsyncLLM`` in-process, as colocated RL
+trainers run vLLM), so ``EngineCoreOutput`` never goes through msgpack and vLLM's real
+``OutputProcessor`` keeps every row chunk the real ``take_output`` returned until its
+request finishes. Many requests turn over while one request runs through every step.
+The memory kept alive is the set of buffers the kept chunks pin (each chunk's
+``.base`` chain to the object that owns the bytes), measured for upstream's dict and
+for ``PackedAuxOutputs`` over the same steps, after:
+
+* ``mq``: vLLM's real ``MessageQueue`` (multiproc executor), writer and reader in
+  this process;
+* ``ray``: a protocol-5 pickle with read-only out-of-band buffers, as Ray's channels
+  hand them over, then vLLM's real zero-copy detach where the release has it;
+* ``none``: no hop (uniproc executor): the scheduler reads the worker's object.
+
+Before the fix (values were views of the step's packed array) the ``mq`` and ``ray``
+cases failed: 17.7 MB kept alive vs 1.9 MB upstream here, and 138.3 MB vs 7.3 MB at
+issue 9's scale (400 requests, 600 steps), growing with the age of the oldest request.
+After it, both are upstream's bytes exactly (an owned array per request).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import gc  # noqa: E402
+import pickle  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.distributed.aux_output_connector.connector import AuxRequestOutput  # noqa: E402
+from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason  # noqa: E402
+from vllm.v1.engine.output_processor import OutputProcessor  # noqa: E402
+
+from prime_r3.packed import PackedAuxOutputs, StepRows  # noqa: E402
+from tests.test_packed_outputs import Req, real_take_output  # noqa: E402
+
+SHAPE = (46, 8)  # a 46-layer top-8 MoE: 368 bytes per token
+PROMPT_ROWS = 24
+
+
+def _root(array: Any) -> Any:
+    while isinstance(array, np.ndarray) and array.base is not None:
+        array = array.base
+    return array
+
+
+def _nbytes(buffer: Any) -> int:
+    if isinstance(buffer, np.ndarray):
+        return int(buffer.nbytes)
+    return int(memoryview(buffer).nbytes)
+
+
+def retained_bytes(processor: OutputProcessor) -> int:
+    """Bytes of every distinct buffer the kept row chunks pin."""
+    roots: dict[int, Any] = {}
+    for state in processor.request_states.values():
+        for chunk in state.routed_experts_chunks:
+            root = _root(chunk)
+            roots[id(root)] = root
+    return sum(map(_nbytes, roots.values()))
+
+
+def _mq_hop() -> tuple[Callable[[Any], Any], Callable[[], None]]:
+    from prime_r3.bench.vllm_setup import Transport
+
+    transport = Transport()
+    return transport.send, transport.close
+
+
+def _ray_hop() -> tuple[Callable[[Any], Any], Callable[[], None]]:
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    try:
+        from vllm.v1.executor.ray_utils import detach_zero_copy_from_model_runner_output
+    except ImportError:  # 0.33 has no zero-copy detach
+        detach_zero_copy_from_model_runner_output = None
+
+    def send(output: Any) -> Any:
+        buffers: list[pickle.PickleBuffer] = []
+        runner_output = ModelRunnerOutput([], {}, aux_output_connector_output=output)
+        data = pickle.dumps(runner_output, protocol=5, buffer_callback=buffers.append)
+        received = pickle.loads(data, buffers=[bytes(b.raw()) for b in buffers])
+        if detach_zero_copy_from_model_runner_output is not None:
+            detach_zero_copy_from_model_runner_output(received)
+        return received.aux_output_connector_output
+
+    return send, lambda: None
+
+
+HOPS = {"mq": _mq_hop, "ray": _ray_hop, "none": lambda: (lambda output: output, lambda: None)}
+
+
+def run_scenario(packed: bool, hop: str, concurrency: int, steps: int, seed: int = 0) -> int:
+    """Drive ``steps`` engine steps; return the bytes kept alive before request 0 ends."""
+    rng = np.random.default_rng(seed)
+    send, close = HOPS[hop]()
+    take = real_take_output()
+    processor = OutputProcessor(None, log_stats=False)
+    params = SamplingParams(max_tokens=1 << 20, detokenize=False)
+    # slot -> [request_id, tokens so far, steps left]; request 0 outlives the run.
+    slots: list[list[Any]] = []
+    issued = 0
+
+    def admit() -> list[Any]:
+        nonlocal issued
+        request_id = f"r{issued}"
+        issued += 1
+        request = EngineCoreRequest(
+            request_id, [1] * PROMPT_ROWS, None, params, None, 0.0, None, None, None,
+            external_req_id=request_id,
+        )  # fmt: skip
+        processor.add_request(request, None)
+        life = steps + 1 if issued == 1 else int(rng.integers(5, 80))
+        return [request_id, 0, life]
+
+    slots = [admit() for _ in range(concurrency)]
+    try:
+        for _ in range(steps):
+            lengths = [PROMPT_ROWS if slot[1] == 0 else 1 for slot in slots]
+            query_start_loc = np.concatenate(([0], np.cumsum(lengths)))
+            snapshot = rng.integers(0, 128, (int(query_start_loc[-1]), *SHAPE), dtype=np.uint8)
+            bounds = query_start_loc.tolist()
+            outputs = {
+                slot[0]: AuxRequestOutput(slot[1], snapshot[bounds[j] : bounds[j + 1]])
+                for j, slot in enumerate(slots)
+            }
+            if packed:
+                step = StepRows(
+                    snapshot, [s[0] for s in slots], query_start_loc, np.zeros(len(slots), np.int64)
+                )  # fmt: skip
+                sent: Any = PackedAuxOutputs.pack(outputs, step)
+            else:
+                sent = outputs
+            received = send(sent)
+            del outputs, sent, snapshot
+            core_outputs = []
+            for j, slot in enumerate(slots):
+                slot[1] += lengths[j]
+                slot[2] -= 1
+                rows = take(Req(slot[0], slot[1] + 1), received)
+                core_outputs.append(
+                    EngineCoreOutput(
+                        request_id=slot[0],
+                        new_token_ids=[7],
+                        routed_experts=rows,
+                        finish_reason=FinishReason.LENGTH if slot[2] == 0 else None,
+                    )
+                )
+            del received
+            processor.process_outputs(core_outputs)
+            del core_outputs
+            slots = [slot if slot[2] > 0 else admit() for slot in slots]
+        gc.collect()
+        assert "r0" in processor.request_states
+        return retained_bytes(processor)
+    finally:
+        close()
+
+
+@pytest.mark.parametrize("hop", ["mq", "ray", "none"])
+def test_rows_kept_by_an_in_process_frontend_cost_no_more_than_upstream(hop: str) -> None:
+    # Issue 9's scenario is 400 requests over 600 steps; this is a quarter of it, with
+    # the same shape (one request lives through every step, the rest turn over).
+    upstream = run_scenario(packed=False, hop=hop, concurrency=100, steps=300)
+    packed = run_scenario(packed=True, hop=hop, concurrency=100, steps=300)
+    print(f"{hop}: kept alive by row chunks: upstream {upstream} B, packed {packed} B")
+    assert upstream > 0
+    assert packed <= upstream, (hop, packed, upstream)
+
+
+def test_received_rows_own_their_memory() -> None:
+    """Each request's rows after a hop are a private array: a chunk pins its request only."""
+    snapshot = np.arange(5 * 46 * 8, dtype=np.uint8).reshape(5, 46, 8)
+    outputs = {"a": AuxRequestOutput(0, snapshot[:1]), "b": AuxRequestOutput(3, snapshot[1:5])}
+    for protocol in (4, 5):
+        received = pickle.loads(pickle.dumps(PackedAuxOutputs.pack(outputs), protocol=protocol))
+        for request_id, value in received.items():
+            assert value.rows.flags.owndata and value.rows.flags.writeable
+            assert value.rows.nbytes == outputs[request_id].rows.nbytes
+        chunk = real_take_output()(Req("b", 3 + 1 + 2), received)
+        assert chunk.base is received["b"].rows and _nbytes(_root(chunk)) == 4 * 46 * 8

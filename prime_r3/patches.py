@@ -7,6 +7,7 @@ Each entry is a ``PatchSpec`` declared by its module under ``prime_r3.fixes``.
 from __future__ import annotations
 
 from prime_r3.fixes import (
+    batched_begin,
     batched_commit,
     engine_gc,
     packed_outputs,
@@ -23,6 +24,7 @@ REGISTRY: tuple[PatchSpec, ...] = (
     store_headroom.SPEC,
     store_growth.SPEC,
     batched_commit.SPEC,
+    batched_begin.SPEC,
 )
 
 

@@ -13,8 +13,8 @@ resets (generation changes) with nothing in flight.
 
 Two real ``AuxOutputWorkerConnector`` objects, each with its own real
 ``RoutedExpertsBuffer`` and store (``BlockObjectStore``, or the real background writer
-around it), run the same sequence. The reference binds upstream's ``_commit_output``
-(the original the layer saved) on its instance, so it runs upstream code whatever is
+around it), run the same sequence. The reference binds upstream's ``_commit_output`` and
+``begin_step`` (the originals the layer saved) on its instance, so it runs upstream code whatever is
 patched on the class. After every step the harness compares what each returned (keys,
 token starts, row bytes), what the real ``AuxOutputSchedulerConnector.take_output``
 hands each request (bytes, or the exact error), the errors raised, every request's
@@ -51,12 +51,17 @@ WORKER = "vllm.distributed.aux_output_connector.worker"
 TAKE = object.__new__(AuxOutputSchedulerConnector).take_output  # reads nothing from self
 
 
-def upstream_commit() -> Any:
+#: Worker methods a batched patch may wrap; the reference binds upstream's for each.
+WRAPPED = ("_commit_output", "begin_step")
+
+
+def upstream(name: str = "_commit_output") -> Any:
+    """Upstream's ``AuxOutputWorkerConnector.<name>``, as the layer saved it (or as it is)."""
     try:
-        function = prime_r3.get_original(WORKER, "AuxOutputWorkerConnector._commit_output")
-    except KeyError:
-        function = aux_worker.AuxOutputWorkerConnector.__dict__["_commit_output"]
-    assert not isinstance(function, wrapt.ObjectProxy)
+        function = prime_r3.get_original(WORKER, f"AuxOutputWorkerConnector.{name}")
+    except KeyError:  # never patched in this process
+        function = aux_worker.AuxOutputWorkerConnector.__dict__[name]
+    assert not isinstance(function, wrapt.ObjectProxy), name
     return function
 
 
@@ -90,7 +95,8 @@ def make_connector(shape: Shape, reference: bool) -> Any:
     connector._lock = aux_worker.Lock()
     connector._max_concurrent_batches = 2
     if reference:
-        connector._commit_output = MethodType(upstream_commit(), connector)
+        for name in WRAPPED:
+            setattr(connector, name, MethodType(upstream(name), connector))
     return connector
 
 

@@ -81,9 +81,7 @@ def test_applies_on_every_supported_release(reverted: pytest.MonkeyPatch) -> Non
     target = aux_worker.AuxOutputWorkerConnector.__dict__["_commit_output"]
     assert isinstance(target, wrapt.FunctionWrapper)
     prime_r3.revert(["batched_commit"])
-    assert (
-        aux_worker.AuxOutputWorkerConnector.__dict__["_commit_output"] is harness.upstream_commit()
-    )
+    assert aux_worker.AuxOutputWorkerConnector.__dict__["_commit_output"] is harness.upstream()
 
 
 @pytest.mark.parametrize("chunk", range(CHUNKS))

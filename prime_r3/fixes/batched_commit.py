@@ -56,8 +56,9 @@ import inspect
 import logging
 import operator
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -189,58 +190,12 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
             return _upstream_step(wrapped, args, kwargs, pending)
 
         decode = (num_tokens == 1) & (rejected == 0) & (sampled > 0)
-        starts = token_starts.tolist()
-        buffer = instance._buffer
-        block_size = buffer.block_size
-        requests = instance._requests
-        tails = buffer._requests
-        free_slots = buffer._free_slots
-        owned_slots = buffer._owned_slots
-        buffer_rows = buffer._rows
-        fast: list[int] = []
-        slots: list[int] = []
-        locals_: list[int] = []
-        published: list[tuple[Any, list[tuple[int, np.ndarray]]]] = []
         reasons: Counter[str] = Counter()
-        fallback: list[int] = []
-        for j in np.flatnonzero(decode).tolist():
-            request_id = ids[j]
-            start = starts[j]
-            state = requests.get(request_id)
-            if state is None or state.capture_cursor != start or state.emit_cursor != start:
-                fallback.append(j)
-                reasons["cursor"] += 1
-                continue
-            tail = tails.get(request_id)
-            if tail is None:
-                if start % block_size or not free_slots:
-                    fallback.append(j)
-                    reasons["tail"] += 1
-                    continue
-                # What RoutedExpertsBuffer._tail does for a request without a tail.
-                tail = _RequestTail(free_slots.pop(), start)
-                tails[request_id] = tail
-            elif tail.block_start + tail.length != start:
-                fallback.append(j)
-                reasons["tail"] += 1
-                continue
-            local = tail.length
-            tail.length = local + 1
-            state.capture_cursor = state.scheduled_cursor = state.emit_cursor = start + 1
-            fast.append(j)
-            slots.append(tail.slot)
-            locals_.append(local)
-            if local + 1 == block_size:
-                # capture(): a full tail leaves _requests and its slot is owned by the view.
-                block = buffer_rows[tail.slot]
-                del tails[request_id]
-                owned_slots[id(block)] = tail.slot
-                published.append((state, [(tail.block_start, block)]))
-            elif state.pending_blocks:
-                published.append((state, []))
-
-        if not fast:
+        selected = _select(instance, ids, token_starts, decode, reasons, _RequestTail)
+        if selected is None:
             return _upstream_step(wrapped, args, kwargs, pending)
+        fast, fallback, slots, locals_, published = selected
+        buffer_rows = instance._buffer._rows
         fast_rows = qsl[fast]
         buffer_rows[slots, locals_] = rows[fast_rows]
         if published:
@@ -248,6 +203,7 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
             # order, before any fallback request may read the store.
             instance._publish_blocks(published)
 
+        starts = token_starts.tolist()
         if len(fast) + len(fallback) != n:
             if not decode.all():
                 not_decode = ~decode
@@ -292,6 +248,128 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
         return outputs
 
     return batched_commit
+
+
+class _Missing:
+    """Stands in for an absent worker state or buffer tail in the vectorised checks."""
+
+    capture_cursor = emit_cursor = None
+    pending_blocks: tuple[()] = ()
+    block_start = -(1 << 62)
+    length = 0
+    slot = -1
+
+
+_MISSING = _Missing()
+_capture_cursor = operator.attrgetter("capture_cursor")
+_emit_cursor = operator.attrgetter("emit_cursor")
+_pending_blocks = operator.attrgetter("pending_blocks")
+_block_start = operator.attrgetter("block_start")
+_length = operator.attrgetter("length")
+_slot = operator.attrgetter("slot")
+
+
+def _pick(items: Any, index: list[int]) -> list[Any]:
+    if len(index) == 1:
+        return [items[index[0]]]
+    return list(operator.itemgetter(*index)(items))
+
+
+def _select(
+    connector: Any,
+    ids: list[str],
+    token_starts: np.ndarray,
+    decode: np.ndarray,
+    reasons: Counter[str],
+    request_tail: Any,
+) -> tuple[list[int], list[int], np.ndarray, np.ndarray, list[Any]] | None:
+    """Find the fast requests and apply upstream's capture bookkeeping to them.
+
+    Returns (fast positions, fallback positions among the decode candidates, buffer
+    slots, positions in the slot, ``(state, completed)`` pairs to publish), or None
+    when no request is fast (nothing was touched: the step goes to upstream whole).
+    Every per-request read and write is a C-level ``map`` over upstream's objects.
+    """
+    candidates = np.flatnonzero(decode)
+    m = len(candidates)
+    if m == 0:
+        return None
+    buffer = connector._buffer
+    block_size = buffer.block_size
+    tails = buffer._requests
+    free_slots = buffer._free_slots
+    cand = candidates.tolist()
+    cand_ids = _pick(ids, cand)
+    starts = token_starts[candidates].astype(np.int64)
+    starts_list = starts.tolist()
+    states = list(map(connector._requests.get, cand_ids, repeat(_MISSING, m)))
+    captures = list(map(_capture_cursor, states))
+    emits = list(map(_emit_cursor, states))
+    tail_list = list(map(tails.get, cand_ids, repeat(_MISSING, m)))
+    block_starts = np.fromiter(map(_block_start, tail_list), np.int64, m)
+    lengths = np.fromiter(map(_length, tail_list), np.int64, m)
+    has_tail = block_starts != _MISSING.block_start
+    ok_tail = np.where(has_tail, block_starts + lengths == starts, starts % block_size == 0)
+    if captures == starts_list and emits == starts_list:
+        ok = ok_tail
+    else:
+        ok_cursor = np.fromiter(map(operator.eq, captures, starts_list), bool, m)
+        ok_cursor &= np.fromiter(map(operator.eq, emits, starts_list), bool, m)
+        reasons["cursor"] += int((~ok_cursor).sum())
+        ok = ok_cursor & ok_tail
+        ok_tail &= ok_cursor
+    new_tails = np.flatnonzero(ok & ~has_tail)
+    if len(new_tails) > len(free_slots):  # upstream asserts on these: let it
+        ok[new_tails[len(free_slots) :]] = False
+        ok_tail[new_tails[len(free_slots) :]] = False
+        new_tails = new_tails[: len(free_slots)]
+    reasons["tail"] += int((~ok_tail).sum()) - reasons["cursor"]
+    for k in new_tails.tolist():
+        # What RoutedExpertsBuffer._tail does for a request without a tail.
+        tail = request_tail(free_slots.pop(), starts_list[k])
+        tails[cand_ids[k]] = tail
+        tail_list[k] = tail
+    block_starts[new_tails] = starts[new_tails]
+    lengths[new_tails] = 0
+    keep = np.flatnonzero(ok)
+    if len(keep) == 0:
+        return None
+    if len(keep) == m:
+        fast, fast_states, fast_tails = cand, states, tail_list
+        fallback: list[int] = []
+        fast_starts, fast_lengths = starts, lengths
+    else:
+        keep_list = keep.tolist()
+        fast = _pick(cand, keep_list)
+        fast_states = _pick(states, keep_list)
+        fast_tails = _pick(tail_list, keep_list)
+        fallback = candidates[~ok].tolist()
+        fast_starts, fast_lengths = starts[keep], lengths[keep]
+    k = len(fast)
+    slots = np.fromiter(map(_slot, fast_tails), np.int64, k)
+    cursors = (fast_starts + 1).tolist()
+    new_lengths = fast_lengths + 1
+    # capture(): the tail grows by one row; _commit_output: all three cursors advance.
+    deque(map(setattr, fast_tails, repeat("length", k), new_lengths.tolist()), maxlen=0)
+    for name in ("capture_cursor", "scheduled_cursor", "emit_cursor"):
+        deque(map(setattr, fast_states, repeat(name, k), cursors), maxlen=0)
+    complete = new_lengths == block_size
+    waiting = np.fromiter(map(bool, map(_pending_blocks, fast_states)), bool, k)
+    published = []
+    if complete.any() or waiting.any():
+        owned_slots = buffer._owned_slots
+        for i in np.flatnonzero(complete | waiting).tolist():
+            state = fast_states[i]
+            if complete[i]:
+                # capture(): a full tail leaves _requests; the block view owns its slot.
+                tail = fast_tails[i]
+                block = buffer._rows[tail.slot]
+                del tails[ids[fast[i]]]
+                owned_slots[id(block)] = tail.slot
+                published.append((state, [(tail.block_start, block)]))
+            else:
+                published.append((state, []))
+    return fast, fallback, slots, fast_lengths, published
 
 
 def _upstream_step(

@@ -7,6 +7,8 @@ Each entry is a ``PatchSpec`` declared by its module under ``prime_r3.fixes``.
 from __future__ import annotations
 
 from prime_r3.fixes import (
+    batched_begin,
+    batched_commit,
     engine_gc,
     packed_outputs,
     store_eviction,
@@ -21,6 +23,8 @@ REGISTRY: tuple[PatchSpec, ...] = (
     store_eviction.SPEC,
     store_headroom.SPEC,
     store_growth.SPEC,
+    batched_commit.SPEC,
+    batched_begin.SPEC,
 )
 
 

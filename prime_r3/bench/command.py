@@ -234,6 +234,9 @@ def main(args: argparse.Namespace) -> int:
     print(header, file=out)
     print(report.table(summaries), file=out)
     print(_parity_line(parity_note), file=out)
+    fast_path = _fast_path_lines(results)
+    if fast_path:
+        print(fast_path, file=out)
     if args.json:
         text = report.to_json(
             cfg, summaries, parity_note, {"vllm": version, "applied": applies, "skipped": skipped}
@@ -246,6 +249,23 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         report.plot(results, cfg, args.plot)
     return status
+
+
+def _fast_path_lines(results: dict[str, dict[str, Any]]) -> str:
+    """Per arm and counting patch: requests its fast path took vs upstream's code (window)."""
+    lines = []
+    for arm, result in results.items():
+        for patch, c in (result.get("fast_path") or {}).items():
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(c["fallback_reasons"].items()) if v)
+            lines.append(
+                f"  {arm} {patch}: {c['fast_requests']} fast / {c['fallback_requests']} upstream "
+                f"requests over {c['steps']} steps ({reasons or 'no fallback'})"
+            )
+    return (
+        "fast path vs upstream (first round, measured window):\n" + "\n".join(lines)
+        if lines
+        else ""
+    )
 
 
 def _parity_line(note: dict[str, Any]) -> str:

@@ -278,6 +278,7 @@ def run(
             for step in range(cfg.total_steps):
                 if step == cfg.warmup:
                     window = _snapshot(sim)
+                    _reset_fast_path_counters()
                 counts_before, gc_before = list(gc_meter.counts), gc_meter.seconds
                 writer_before = sim.writer_clock.seconds()
                 t0, c0 = time.perf_counter(), _cpu()
@@ -311,10 +312,40 @@ def run(
             "max_concurrent_batches": sim.queue_size,
             "digests": {r: (sha, prints, rows) for r, (sha, prints, rows) in sim.finished.items()},
             "flags": dict(sim.finished_flags),
+            "fast_path": _fast_path_counters(),
         }
     finally:
         sim.close()
     return result
+
+
+#: Patches that count which requests their fast path took and which went to upstream.
+_COUNTED = ("batched_commit", "batched_begin")
+
+
+def _counted_modules() -> list[Any]:
+    """The counting patches' modules, if this arm imported them (i.e. applied them)."""
+    import sys
+
+    return [
+        (name, module)
+        for name in _COUNTED
+        if (module := sys.modules.get(f"prime_r3.fixes.{name}")) is not None
+    ]
+
+
+def _reset_fast_path_counters() -> None:
+    for _, module in _counted_modules():
+        module.COUNTERS.reset()
+
+
+def _fast_path_counters() -> dict[str, Any]:
+    """Fast-path vs upstream counts over the measured window, per counting patch."""
+    return {
+        name: counts
+        for name, module in _counted_modules()
+        if (counts := module.COUNTERS.snapshot())["steps"]
+    }
 
 
 def _snapshot(sim: Simulator) -> dict[str, int]:

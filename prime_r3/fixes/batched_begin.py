@@ -1,0 +1,111 @@
+"""batched_begin: begin_step without a Python pass (and a new state object) per running request.
+
+``AuxOutputWorkerConnector.begin_step`` walks every scheduled request each step:
+``self._requests.setdefault(request_id, _WorkerRequestState(emit_cursor=emit_start))``
+builds a dataclass per request even when the request is known (almost always), then
+checks ``emit_start <= state.emit_cursor`` for settled requests. At 400-2000 running
+requests that is most of the step's begin_step cost.
+
+We wrap ``begin_step``. For the requests the worker already knows, the settled check is
+done at once (array of ``pending_outputs`` and ``emit_cursor`` against the emit starts);
+upstream's ``begin_step`` then runs on a copy of the metadata whose ``requests`` holds
+only the requests it does not know yet, in the scheduler's order, so everything else
+(new states, block hashes, retained/released keys on 0.33, terminal events, teardown,
+publication) is upstream's code on upstream's data. ``_step_metadata`` is set back to
+the scheduler's metadata object, as upstream leaves it.
+
+The whole metadata goes to upstream unchanged when anything is unusual: no data plane,
+no metadata, a generation change (upstream clears every state first), a request both
+running and finished, or a settled request whose emit start is ahead of its cursor
+(upstream raises there, with its own message and effects).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from prime_r3.fixes.aux_output import CONNECTOR_MODULE as _CONNECTOR
+from prime_r3.fixes.aux_output import WORKER_MODULE as _WORKER
+from prime_r3.fixes.batched_commit import Counters
+from prime_r3.spec import Anchor, PatchSpec, Process, Target, WrapperFn
+
+#: ``fast_requests``: known requests checked at once; ``fallback_requests``: requests
+#: upstream's loop handled (new ones: reason ``new``; whole metadata: ``step``).
+COUNTERS = Counters()
+
+_pending_outputs = operator.attrgetter("pending_outputs")
+_emit_cursor = operator.attrgetter("emit_cursor")
+
+
+def _batched_begin(params: Mapping[str, Any]) -> WrapperFn:
+    def batched_begin(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
+        metadata = args[0] if args else kwargs.get("metadata")
+        trimmed = _trim(instance, metadata)
+        if trimmed is None:
+            count = len(getattr(metadata, "requests", None) or ())
+            COUNTERS.add(0, {"step": count} if count else {})
+            return wrapped(*args, **kwargs)
+        known, new = trimmed
+        COUNTERS.add(known, {"new": len(new.requests)} if new.requests else {})
+        try:
+            return wrapped(new)
+        finally:
+            instance._step_metadata = metadata
+
+    return batched_begin
+
+
+def _trim(connector: Any, metadata: Any) -> tuple[int, Any] | None:
+    """(known requests checked here, metadata for upstream), or None for upstream whole."""
+    if (
+        connector is None
+        or metadata is None
+        or connector._buffer is None
+        or type(metadata.requests) is not dict
+        or metadata.generation != connector._generation
+    ):
+        return None
+    scheduled = metadata.requests
+    if not scheduled or scheduled.keys() & metadata.finished_requests:
+        return None
+    states = connector._requests
+    unknown = scheduled.keys() - states.keys()
+    known_ids = list(scheduled) if not unknown else [r for r in scheduled if r not in unknown]
+    k = len(known_ids)
+    if k:
+        known = list(map(states.__getitem__, known_ids))
+        settled = np.fromiter(map(_pending_outputs, known), np.int64, k) == 0
+        if settled.any():
+            emit = np.fromiter(map(scheduled.__getitem__, known_ids), np.int64, k)
+            cursor = np.fromiter(map(_emit_cursor, known), np.int64, k)
+            if bool((settled & (emit > cursor)).any()):
+                return None  # upstream's assertion, with upstream's effects before it
+    new_requests = {r: e for r, e in scheduled.items() if r in unknown} if unknown else {}
+    return k, dataclasses.replace(metadata, requests=new_requests)
+
+
+# Verified source fingerprints (scripts/fingerprint.py): begin_step is identical in vLLM
+# 0.31.0 and 0.32.0; 0.33.0 adds the retained/released block hashes (read in its wheel:
+# the requests loop this patch trims is unchanged, and those keys pass through).
+_BEGIN_STEP = frozenset({"573fa6addb501b76", "679e7b1853ff78be"})
+_WORKER_REQUEST_STATE = frozenset({"6055aab0a3f9e256"})
+_METADATA = frozenset({"675d2b630402ee5b", "39ee9e24bf7fd4e4"})
+
+SPEC = PatchSpec(
+    name="batched_begin",
+    summary="output worker's begin_step checks known requests at once; upstream handles new ones",
+    vllm_range=">=0.31,<0.34",
+    processes=frozenset({Process.WORKER}),
+    targets=(Target(_WORKER, "AuxOutputWorkerConnector.begin_step", _BEGIN_STEP, _batched_begin),),
+    anchors=(
+        # We read pending_outputs and emit_cursor of the states upstream made.
+        Anchor(_WORKER, "_WorkerRequestState", _WORKER_REQUEST_STATE),
+        # We copy it with dataclasses.replace (0.33 adds two fields; kept as they are).
+        Anchor(_CONNECTOR, "AuxOutputConnectorMetadata", _METADATA),
+    ),
+)

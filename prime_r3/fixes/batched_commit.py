@@ -1,0 +1,522 @@
+"""batched_commit: commit the common decode step at once; hand every other request to upstream.
+
+Upstream's ``AuxOutputWorkerConnector._commit_output`` walks the step one request at a
+time: numpy scalars out of five arrays, a slice, ``RoutedExpertsBuffer.capture`` (shape
+checks, a ``while`` loop, one row assignment), one ``AuxRequestOutput``. At 400-2000
+running requests that per-request Python is most of R3's cost on the output worker, and
+``packed_outputs`` then reads all those fresh objects back to pack them.
+
+We wrap ``_commit_output``. The *fast* requests of a step are the common decode case:
+
+* one scheduled token, nothing rejected, a token sampled;
+* the worker state's ``capture_cursor`` and ``emit_cursor`` both equal the token start
+  (no rewind after preemption, no emit from the store after a prefix hit, no
+  ``routed_experts_prompt_start`` offset, no first capture);
+* the row extends the request's buffered tail contiguously, or starts a new aligned
+  block (hash block size > 1, a free buffer slot).
+
+For those, upstream's effects are reproduced on upstream's own objects: the cursors
+(``capture_cursor = scheduled_cursor = emit_cursor = start + 1``), the tail's length,
+one vectorised row write into the buffer's slots, completion of a full tail exactly as
+``capture`` does it (the slot moves to ``_owned_slots`` under the block view's id), and
+publication through upstream's ``_publish_blocks`` with the same ``(state, completed)``
+pairs, in batch order. The step's output is built directly from the snapshot: one
+``take`` of the fast rows into a ``PackedAuxOutputs`` when ``packed_outputs`` is in
+force in this process, else upstream's dict of ``AuxRequestOutput`` views.
+
+Every other request of the step (prefill chunks, speculative-decode rejected suffixes,
+capture rewinds, emits from the store, first captures, gaps upstream asserts on, ...)
+goes through upstream's ``_commit_output`` itself, in the same step, on a
+``PendingAuxOutput`` holding just those requests (``dataclasses.replace``; its rows are
+a view of the snapshot when they are contiguous, else one gather). A step that does not
+look like upstream's contract at all (mismatched lengths, duplicate ids, a token count
+out of range, a different row profile) goes to upstream whole, so upstream raises.
+
+Differences from upstream, and why they are not observable:
+
+* Store writes: a step with both fast and fallback requests that complete blocks makes
+  two ``put`` calls (the fast blocks first, then upstream's) instead of one. Both keep
+  batch order within themselves. Every published key was retained by its request's
+  ``begin_step`` before its block could publish, so it cannot be a victim before its
+  request's terminal release moves it to the LRU end: victims, keys and payloads are
+  upstream's (the differential test compares them after every step).
+* The fast blocks' buffer slots return to the free list before the fallback requests
+  capture, not after: only "block pool is exhausted" (an upstream invariant violation)
+  could differ.
+* Dict order: direct outputs in batch order, then outputs materialised from the store
+  or buffer (as upstream's), since upstream's order is kept.
+
+Counters (``COUNTERS``) say which requests were ours and which upstream's, by reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import operator
+import threading
+from collections import Counter, deque
+from collections.abc import Mapping
+from itertools import repeat
+from typing import Any
+
+import numpy as np
+
+from prime_r3 import state as prime_state
+from prime_r3.fixes.aux_output import ROUTED_EXPERTS_MODULE as _ROUTED_EXPERTS
+from prime_r3.fixes.aux_output import WORKER_MODULE as _WORKER
+from prime_r3.spec import Anchor, PatchSpec, Process, Target, WrapperFn
+
+logger = logging.getLogger("vllm.prime_r3")
+
+_SEPARATOR = "\x00"  # prime_r3.packed's id separator
+
+
+class Counters:
+    """How many requests the fast path committed and how many went to upstream, by reason.
+
+    Process-wide (every connector in the process adds to it); ``snapshot()`` is what
+    the bench and the tests read. Reasons: ``multi_token`` (prefill chunk or speculative
+    tokens), ``rejected``, ``not_sampled``, ``cursor`` (capture/emit cursor not at the
+    token start: rewind, store emit, prompt start, first capture, no state), ``tail``
+    (not contiguous with the buffered tail, unaligned new block, no free slot),
+    ``step`` (the whole step went to upstream).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.steps = 0
+            self.batched_steps = 0
+            self.fast_requests = 0
+            self.fallback_requests = 0
+            self.fallback_reasons: Counter[str] = Counter()
+
+    def add(self, fast: int, reasons: Mapping[str, int]) -> None:
+        with self._lock:
+            self.steps += 1
+            self.batched_steps += fast > 0
+            self.fast_requests += fast
+            self.fallback_requests += sum(reasons.values())
+            self.fallback_reasons.update(reasons)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "steps": self.steps,
+                "batched_steps": self.batched_steps,
+                "fast_requests": self.fast_requests,
+                "fallback_requests": self.fallback_requests,
+                "fallback_reasons": dict(self.fallback_reasons),
+            }
+
+
+COUNTERS = Counters()
+
+
+def _root(array: Any) -> Any:
+    """The array at the end of ``array``'s chain of numpy views (itself if it owns or
+    wraps foreign memory): a row is a view of the step's rows iff the roots match."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array
+
+
+def _packing_in_force(connector: Any) -> bool:
+    """Whether this process sends packed steps: packed_outputs wraps process_output here.
+
+    The fast path then builds the ``PackedAuxOutputs`` directly; otherwise it returns
+    upstream's dict, so turning packed_outputs off turns packed transport off.
+    """
+    return prime_state.is_object_patched(
+        inspect.getattr_static(type(connector), "process_output", None)
+    )
+
+
+def _whole_step_reason(connector: Any, pending: Any) -> str | None:
+    """Why the step must go to upstream whole (so its assertions fire there), else None."""
+    buffer, store = connector._buffer, connector._store
+    if buffer is None or store is None or buffer.block_size <= 1:
+        return "no data plane or 1-token blocks"
+    rows, sampled, rejected = pending.routed_experts, pending.num_sampled, pending.num_rejected
+    if rows is None or sampled is None or rejected is None:
+        return "CPU copy not enqueued"
+    if type(rows) is not np.ndarray or rows.shape[1:] != tuple(buffer.shape_per_token):
+        return "row profile"
+    if rows.dtype != buffer.dtype:
+        return "row profile"
+    return None
+
+
+def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
+    # Imports vLLM: only when applying.
+    from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
+    from vllm.distributed.aux_output_connector.routed_experts import _RequestTail
+
+    from prime_r3.packed import PackedAuxOutputs
+
+    def batched_commit(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
+        pending = args[0] if args else kwargs.get("pending")
+        if instance is None or pending is None or _whole_step_reason(instance, pending):
+            return _upstream_step(wrapped, args, kwargs, pending)
+        ids = pending.request_ids
+        n = len(ids)
+        qsl = np.asarray(pending.query_start_loc, dtype=np.int64)
+        token_starts = np.asarray(pending.token_starts)
+        sampled = np.asarray(pending.num_sampled)
+        rejected = np.asarray(pending.num_rejected)
+        rows = pending.routed_experts
+        if (
+            n == 0
+            or qsl.shape != (n + 1,)
+            or token_starts.shape != (n,)
+            or sampled.shape != (n,)
+            or rejected.shape != (n,)
+        ):
+            return _upstream_step(wrapped, args, kwargs, pending)
+        num_tokens = qsl[1:] - qsl[:-1]
+        if (
+            bool((num_tokens <= 0).any())
+            or bool((rejected < 0).any())
+            or bool((rejected > num_tokens).any())
+            or qsl[0] < 0
+            or qsl[-1] > len(rows)
+            or len(set(ids)) != n
+        ):
+            return _upstream_step(wrapped, args, kwargs, pending)
+
+        decode = (num_tokens == 1) & (rejected == 0) & (sampled > 0)
+        reasons: Counter[str] = Counter()
+        selected = _select(instance, ids, token_starts, decode, reasons, _RequestTail)
+        if selected is None:
+            return _upstream_step(wrapped, args, kwargs, pending)
+        fast, fallback, slots, locals_, published = selected
+        buffer_rows = instance._buffer._rows
+        fast_rows = qsl[fast]
+        buffer_rows[slots, locals_] = rows[fast_rows]
+        if published:
+            # Upstream's own publication, for the same (state, completed) pairs in batch
+            # order, before any fallback request may read the store.
+            instance._publish_blocks(published)
+
+        starts = token_starts.tolist()
+        if len(fast) + len(fallback) != n:
+            if not decode.all():
+                not_decode = ~decode
+                reasons["multi_token"] += int((not_decode & (num_tokens != 1)).sum())
+                reasons["rejected"] += int((not_decode & (num_tokens == 1) & (rejected != 0)).sum())
+                reasons["not_sampled"] += int(
+                    (not_decode & (num_tokens == 1) & (rejected == 0) & (sampled <= 0)).sum()
+                )
+                fallback.extend(np.flatnonzero(not_decode).tolist())
+            fallback.sort()
+        COUNTERS.add(len(fast), reasons)
+
+        direct: list[tuple[int, str, Any]] = []
+        materialised: list[tuple[str, Any]] = []
+        if fallback:
+            sub, sub_rows = _sub_step(pending, fallback, qsl, num_tokens, token_starts)
+            sub_root = _root(sub_rows)
+            position = dict(zip(sub.request_ids, fallback, strict=True))
+            for request_id, output in wrapped(sub).items():
+                value_rows = output.rows
+                if isinstance(value_rows, np.ndarray) and _root(value_rows) is sub_root:
+                    direct.append((position[request_id], request_id, output))
+                else:
+                    materialised.append((request_id, output))
+
+        if _packing_in_force(instance):
+            return _packed(
+                PackedAuxOutputs, ids, token_starts, rows, fast, fast_rows, direct, materialised
+            )
+        outputs: dict[str, Any] = {}
+        merged = (
+            sorted([(j, ids[j], None) for j in fast] + direct, key=operator.itemgetter(0))
+            if direct
+            else [(j, ids[j], None) for j in fast]
+        )
+        for j, request_id, output in merged:
+            if output is None:
+                at = int(qsl[j])
+                output = AuxRequestOutput(starts[j], rows[at : at + 1])
+            outputs[request_id] = output
+        outputs.update(materialised)
+        return outputs
+
+    return batched_commit
+
+
+class _Missing:
+    """Stands in for an absent worker state or buffer tail in the vectorised checks."""
+
+    capture_cursor = emit_cursor = None
+    pending_blocks: tuple[()] = ()
+    block_start = -(1 << 62)
+    length = 0
+    slot = -1
+
+
+_MISSING = _Missing()
+_capture_cursor = operator.attrgetter("capture_cursor")
+_emit_cursor = operator.attrgetter("emit_cursor")
+_pending_blocks = operator.attrgetter("pending_blocks")
+_block_start = operator.attrgetter("block_start")
+_length = operator.attrgetter("length")
+_slot = operator.attrgetter("slot")
+
+
+def _pick(items: Any, index: list[int]) -> list[Any]:
+    if len(index) == 1:
+        return [items[index[0]]]
+    return list(operator.itemgetter(*index)(items))
+
+
+def _select(
+    connector: Any,
+    ids: list[str],
+    token_starts: np.ndarray,
+    decode: np.ndarray,
+    reasons: Counter[str],
+    request_tail: Any,
+) -> tuple[list[int], list[int], np.ndarray, np.ndarray, list[Any]] | None:
+    """Find the fast requests and apply upstream's capture bookkeeping to them.
+
+    Returns (fast positions, fallback positions among the decode candidates, buffer
+    slots, positions in the slot, ``(state, completed)`` pairs to publish), or None
+    when no request is fast (nothing was touched: the step goes to upstream whole).
+    Every per-request read and write is a C-level ``map`` over upstream's objects.
+    """
+    candidates = np.flatnonzero(decode)
+    m = len(candidates)
+    if m == 0:
+        return None
+    buffer = connector._buffer
+    block_size = buffer.block_size
+    tails = buffer._requests
+    free_slots = buffer._free_slots
+    cand = candidates.tolist()
+    cand_ids = _pick(ids, cand)
+    starts = token_starts[candidates].astype(np.int64)
+    starts_list = starts.tolist()
+    states = list(map(connector._requests.get, cand_ids, repeat(_MISSING, m)))
+    captures = list(map(_capture_cursor, states))
+    emits = list(map(_emit_cursor, states))
+    tail_list = list(map(tails.get, cand_ids, repeat(_MISSING, m)))
+    block_starts = np.fromiter(map(_block_start, tail_list), np.int64, m)
+    lengths = np.fromiter(map(_length, tail_list), np.int64, m)
+    has_tail = block_starts != _MISSING.block_start
+    ok_tail = np.where(has_tail, block_starts + lengths == starts, starts % block_size == 0)
+    if captures == starts_list and emits == starts_list:
+        ok = ok_tail
+    else:
+        ok_cursor = np.fromiter(map(operator.eq, captures, starts_list), bool, m)
+        ok_cursor &= np.fromiter(map(operator.eq, emits, starts_list), bool, m)
+        reasons["cursor"] += int((~ok_cursor).sum())
+        ok = ok_cursor & ok_tail
+        ok_tail &= ok_cursor
+    new_tails = np.flatnonzero(ok & ~has_tail)
+    if len(new_tails) > len(free_slots):  # upstream asserts on these: let it
+        ok[new_tails[len(free_slots) :]] = False
+        ok_tail[new_tails[len(free_slots) :]] = False
+        new_tails = new_tails[: len(free_slots)]
+    reasons["tail"] += int((~ok_tail).sum()) - reasons["cursor"]
+    for k in new_tails.tolist():
+        # What RoutedExpertsBuffer._tail does for a request without a tail.
+        tail = request_tail(free_slots.pop(), starts_list[k])
+        tails[cand_ids[k]] = tail
+        tail_list[k] = tail
+    block_starts[new_tails] = starts[new_tails]
+    lengths[new_tails] = 0
+    keep = np.flatnonzero(ok)
+    if len(keep) == 0:
+        return None
+    if len(keep) == m:
+        fast, fast_states, fast_tails = cand, states, tail_list
+        fallback: list[int] = []
+        fast_starts, fast_lengths = starts, lengths
+    else:
+        keep_list = keep.tolist()
+        fast = _pick(cand, keep_list)
+        fast_states = _pick(states, keep_list)
+        fast_tails = _pick(tail_list, keep_list)
+        fallback = candidates[~ok].tolist()
+        fast_starts, fast_lengths = starts[keep], lengths[keep]
+    k = len(fast)
+    slots = np.fromiter(map(_slot, fast_tails), np.int64, k)
+    cursors = (fast_starts + 1).tolist()
+    new_lengths = fast_lengths + 1
+    # capture(): the tail grows by one row; _commit_output: all three cursors advance.
+    deque(map(setattr, fast_tails, repeat("length", k), new_lengths.tolist()), maxlen=0)
+    for name in ("capture_cursor", "scheduled_cursor", "emit_cursor"):
+        deque(map(setattr, fast_states, repeat(name, k), cursors), maxlen=0)
+    complete = new_lengths == block_size
+    waiting = np.fromiter(map(bool, map(_pending_blocks, fast_states)), bool, k)
+    published = []
+    if complete.any() or waiting.any():
+        owned_slots = buffer._owned_slots
+        for i in np.flatnonzero(complete | waiting).tolist():
+            state = fast_states[i]
+            if complete[i]:
+                # capture(): a full tail leaves _requests; the block view owns its slot.
+                tail = fast_tails[i]
+                block = buffer._rows[tail.slot]
+                del tails[ids[fast[i]]]
+                owned_slots[id(block)] = tail.slot
+                published.append((state, [(tail.block_start, block)]))
+            else:
+                published.append((state, []))
+    return fast, fallback, slots, fast_lengths, published
+
+
+def _upstream_step(
+    wrapped: Any,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    pending: Any,
+    reasons: Counter[str] | None = None,
+) -> Any:
+    """The whole step through upstream's ``_commit_output`` (counted)."""
+    count = len(getattr(pending, "request_ids", None) or ())
+    COUNTERS.add(0, {"step": count} if count else {})
+    return wrapped(*args, **kwargs)
+
+
+def _sub_step(
+    pending: Any,
+    positions: list[int],
+    qsl: np.ndarray,
+    num_tokens: np.ndarray,
+    token_starts: np.ndarray,
+) -> tuple[Any, np.ndarray]:
+    """A ``PendingAuxOutput`` of just the requests at ``positions`` (batch order)."""
+    index = np.asarray(positions, dtype=np.int64)
+    rows = pending.routed_experts
+    first, last = positions[0], positions[-1]
+    if last - first + 1 == len(positions):  # one contiguous run: a view, no copy
+        sub_rows = rows[int(qsl[first]) : int(qsl[last + 1])]
+        sub_qsl = qsl[first : last + 2] - qsl[first]
+    else:
+        lengths = num_tokens[index]
+        sub_qsl = np.zeros(len(index) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=sub_qsl[1:])
+        gather = np.repeat(qsl[index] - sub_qsl[:-1], lengths)
+        gather += np.arange(int(sub_qsl[-1]), dtype=np.int64)
+        sub_rows = rows.take(gather, axis=0)
+    ids = pending.request_ids
+    sub = dataclasses.replace(
+        pending,
+        request_ids=[ids[j] for j in positions],
+        token_starts=token_starts[index],
+        query_start_loc=sub_qsl,
+        routed_experts=sub_rows,
+        num_sampled=np.asarray(pending.num_sampled)[index],
+        num_rejected=np.asarray(pending.num_rejected)[index],
+    )
+    return sub, sub_rows
+
+
+def _packed(
+    packed_cls: Any,
+    ids: list[str],
+    token_starts: np.ndarray,
+    rows: np.ndarray,
+    fast: list[int],
+    fast_rows: np.ndarray,
+    direct: list[tuple[int, str, Any]],
+    materialised: list[tuple[str, Any]],
+) -> Any:
+    """The step's ``PackedAuxOutputs``: fast rows taken straight from the snapshot."""
+    if not direct and not materialised:
+        out_ids = list(operator.itemgetter(*fast)(ids)) if len(fast) > 1 else [ids[fast[0]]]
+        out_starts = token_starts[fast].astype(np.int64)
+        offsets = np.arange(len(fast) + 1, dtype=np.int64)
+        if fast_rows[-1] - fast_rows[0] + 1 == len(fast):  # contiguous: one slice copy
+            out_rows = rows[int(fast_rows[0]) : int(fast_rows[-1]) + 1].copy()
+        else:
+            out_rows = rows.take(fast_rows, axis=0)
+    else:
+        # Merge the fast rows with upstream's direct outputs by batch position, then
+        # upstream's materialised ones: the order upstream's dict has.
+        fast_arr = np.asarray(fast, dtype=np.int64)
+        cuts = np.searchsorted(fast_arr, [j for j, _, _ in direct]).tolist()
+        out_ids, starts_list, pieces, lengths = [], [], [], []
+        previous = 0
+        extra = [(None, request_id, output) for request_id, output in materialised]
+        for cut, (_, request_id, output) in zip(
+            [*cuts, len(fast)] + [len(fast)] * len(extra),
+            [*direct, (None, None, None), *extra],
+            strict=True,
+        ):
+            if cut > previous:
+                chunk = fast[previous:cut]
+                out_ids.extend(ids[j] for j in chunk)
+                starts_list.extend(token_starts[chunk].tolist())
+                pieces.append(rows.take(fast_rows[previous:cut], axis=0))
+                lengths.extend([1] * len(chunk))
+                previous = cut
+            if request_id is not None:
+                out_ids.append(request_id)
+                starts_list.append(int(output.token_start))
+                pieces.append(output.rows)
+                lengths.append(len(output.rows))
+        out_starts = np.asarray(starts_list, dtype=np.int64)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        out_rows = np.concatenate(pieces, axis=0, dtype=rows.dtype, casting="no")
+    joined: str | None = _SEPARATOR.join(out_ids)
+    if joined.count(_SEPARATOR) != len(out_ids) - 1:
+        joined = None
+    return packed_cls._trusted(out_ids, joined, out_starts, offsets, out_rows)
+
+
+# Verified source fingerprints (scripts/fingerprint.py); worker.py's _commit_output,
+# _publish_blocks and PendingAuxOutput and all of routed_experts.py are byte-identical
+# in vLLM 0.31.0, 0.32.0 and 0.33.0 (0.33 changed only begin_step in worker.py).
+_COMMIT_OUTPUT = frozenset({"29bd5bec6708d002"})
+_PROCESS_OUTPUT = frozenset({"06ee5fa311ada6e3"})
+_PUBLISH_BLOCKS = frozenset({"cf38981d0625b2c8"})
+_WORKER_REQUEST_STATE = frozenset({"6055aab0a3f9e256"})
+_PENDING_AUX_OUTPUT = frozenset({"41701d3db6f69d56"})
+_BUFFER = frozenset({"ad486671c35e902f"})
+_REQUEST_TAIL = frozenset({"81eb99451d75a944"})
+_AUX_REQUEST_OUTPUT = frozenset({"c86fdd3be04a8c32"})
+_TAKE_OUTPUT = frozenset({"08dfe701debdb1e5"})
+
+SPEC = PatchSpec(
+    name="batched_commit",
+    summary="output worker commits the common decode step with array operations; "
+    "other requests go to upstream's _commit_output in the same step",
+    vllm_range=">=0.31,<0.34",
+    # Commits in the output worker; the packed output it builds is read in EngineCore.
+    processes=frozenset({Process.WORKER, Process.ENGINE_CORE}),
+    targets=(
+        Target(_WORKER, "AuxOutputWorkerConnector._commit_output", _COMMIT_OUTPUT, _batched_commit),
+    ),
+    anchors=(
+        # Its only caller, under the connector lock.
+        Anchor(_WORKER, "AuxOutputWorkerConnector.process_output", _PROCESS_OUTPUT),
+        # Called with the fast requests' (state, completed) pairs, as upstream does.
+        Anchor(_WORKER, "AuxOutputWorkerConnector._publish_blocks", _PUBLISH_BLOCKS),
+        # The cursors we set; the step fields we read and replace for the fallback.
+        Anchor(_WORKER, "_WorkerRequestState", _WORKER_REQUEST_STATE),
+        Anchor(_WORKER, "PendingAuxOutput", _PENDING_AUX_OUTPUT),
+        # capture()/_tail(): tails, free and owned slots, the row array.
+        Anchor(_ROUTED_EXPERTS, "RoutedExpertsBuffer", _BUFFER),
+        Anchor(_ROUTED_EXPERTS, "_RequestTail", _REQUEST_TAIL),
+        # Values we build for the dict path; the consumer of the packed path.
+        Anchor(
+            "vllm.distributed.aux_output_connector.connector",
+            "AuxRequestOutput",
+            _AUX_REQUEST_OUTPUT,
+        ),
+        Anchor(
+            "vllm.distributed.aux_output_connector.connector",
+            "AuxOutputSchedulerConnector.take_output",
+            _TAKE_OUTPUT,
+        ),
+    ),
+)

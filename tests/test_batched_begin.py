@@ -1,0 +1,98 @@
+"""batched_begin: begin_step on trimmed metadata leaves upstream's worker state and errors.
+
+Oracle: upstream's ``begin_step`` (the original the layer saved) on a second real
+connector fed the same steps (tests/batched_harness.py). begin_step differs between
+0.32 and 0.33 (retained/released block hashes); both fingerprints were verified, so the
+patch is expected to apply on 0.31.0, 0.32.0 and 0.33.0.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+from collections import Counter  # noqa: E402
+
+import pytest  # noqa: E402
+import wrapt  # noqa: E402
+from vllm.distributed.aux_output_connector import worker as aux_worker  # noqa: E402
+from vllm.distributed.aux_output_connector.connector import (  # noqa: E402
+    AuxOutputConnectorMetadata,
+)
+
+import prime_r3  # noqa: E402
+from prime_r3 import guards  # noqa: E402
+from prime_r3.fixes import batched_begin  # noqa: E402
+from tests import batched_harness as harness  # noqa: E402
+
+
+def _apply(*names: str) -> None:
+    report = prime_r3.apply(list(names), log=False)
+    for name in names:
+        assert report.outcome(name).state == "applied", report.summary()
+
+
+def test_applies_on_every_supported_release(reverted: pytest.MonkeyPatch) -> None:
+    assert guards.installed_vllm_version() in {"0.31.0", "0.32.0", "0.33.0"}
+    _apply("batched_begin")
+    target = aux_worker.AuxOutputWorkerConnector.__dict__["begin_step"]
+    assert isinstance(target, wrapt.FunctionWrapper)
+    prime_r3.revert(["batched_begin"])
+    assert aux_worker.AuxOutputWorkerConnector.__dict__["begin_step"] is harness.upstream(
+        "begin_step"
+    )
+
+
+@pytest.mark.parametrize("chunk", range(2))
+def test_differential_parity_with_batched_commit(reverted: pytest.MonkeyPatch, chunk: int) -> None:
+    """48 seeds x 300 steps with both batched patches: state, store, outputs, errors."""
+    _apply("batched_commit", "batched_begin")
+    batched_begin.COUNTERS.reset()
+    seen: Counter[str] = Counter()
+    steps = 0
+    for seed in range(2000 + 24 * chunk, 2000 + 24 * (chunk + 1)):
+        shape = harness.Shape(store_slots=(1024, 160)[seed % 2], background=seed % 8 == 0)
+        episode = harness.run_episode(seed, 300, shape, async_scheduling=seed % 2 == 1)
+        seen.update(episode.seen)
+        steps += episode.steps
+    counts = batched_begin.COUNTERS.snapshot()
+    assert counts["fast_requests"] > 0 and counts["fallback_reasons"].get("new"), counts
+    assert counts["fallback_reasons"].get("step"), counts  # generation changes, finishes
+    assert seen["generation_change"] and seen["finished_in_flight"] and steps > 3000
+
+
+def test_settled_emit_ahead_raises_upstreams_error(reverted: pytest.MonkeyPatch) -> None:
+    """A settled request whose scheduler emit start moved ahead: upstream's assertion."""
+    _apply("batched_begin")
+    batched_begin.COUNTERS.reset()
+    errors = {}
+    for reference in (True, False):
+        connector = harness.make_connector(harness.Shape(), reference)
+        connector.begin_step(AuxOutputConnectorMetadata(0, {"a": 0, "b": 3}, {}, ()))
+        try:
+            connector.begin_step(AuxOutputConnectorMetadata(0, {"a": 0, "b": 4}, {}, ()))
+        except AssertionError as error:
+            errors[reference] = (str(error), sorted(connector._requests))
+        connector.close()
+    assert errors[True] == errors[False]
+    assert errors[True][0] == "auxiliary output Scheduler emit cursor moved ahead"
+    counts = batched_begin.COUNTERS.snapshot()
+    # First metadata: both new (upstream's loop); second: handed to upstream whole.
+    assert counts["fallback_reasons"] == {"new": 2, "step": 2}, counts
+
+
+def test_known_requests_skip_upstreams_loop(reverted: pytest.MonkeyPatch) -> None:
+    """Known requests are checked here; upstream sees only the new one, in order."""
+    _apply("batched_begin")
+    batched_begin.COUNTERS.reset()
+    connector = harness.make_connector(harness.Shape(), reference=False)
+    first = AuxOutputConnectorMetadata(0, {"a": 0, "b": 0}, {}, ())
+    connector.begin_step(first)
+    second = AuxOutputConnectorMetadata(0, {"c": 5, "a": 0, "b": 0}, {}, ())
+    connector.begin_step(second)
+    assert connector._step_metadata is second  # as upstream leaves it
+    assert list(connector._requests) == ["a", "b", "c"]
+    assert connector._requests["c"].emit_cursor == 5
+    assert batched_begin.COUNTERS.snapshot()["fast_requests"] == 2
+    connector.close()

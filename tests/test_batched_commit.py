@@ -1,0 +1,163 @@
+"""batched_commit: the fast decode commit gives upstream's rows, worker state and store.
+
+The oracle is upstream's ``_commit_output`` (the original the layer saved), run on a
+second real connector fed the same steps (tests/batched_harness.py). The same
+fingerprints verify on vLLM 0.31.0, 0.32.0 and 0.33.0 (``_commit_output`` and everything
+it relies on are byte-identical there), so every test expects the patch to apply on all
+three and runs unchanged on each.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+from collections import Counter  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import wrapt  # noqa: E402
+from vllm.distributed.aux_output_connector import worker as aux_worker  # noqa: E402
+from vllm.distributed.aux_output_connector.connector import (  # noqa: E402
+    AuxOutputConnectorMetadata,
+)
+
+import prime_r3  # noqa: E402
+from prime_r3 import guards  # noqa: E402
+from prime_r3.fixes import batched_commit  # noqa: E402
+from prime_r3.packed import PackedAuxOutputs  # noqa: E402
+from tests import batched_harness as harness  # noqa: E402
+
+SEEDS = 200
+STEPS = 300
+CHUNKS = 8
+CASES = (
+    "decode",
+    "chunked_prefill",
+    "rejected_suffix",
+    "capture_reattach",
+    "preempt",
+    "prefix_hit",
+    "emit_from_store_or_buffer",
+    "generation_change",
+    "finished_in_flight",
+    "prompt_start",
+    "two_in_flight",
+)
+
+
+def _shape(seed: int) -> harness.Shape:
+    # Mostly roomy stores; some small enough to evict and to overflow (0.31/0.32 raise
+    # there, 0.33 grows), and every tenth behind the real background writer thread.
+    return harness.Shape(store_slots=(1024, 1024, 160, 96)[seed % 4], background=seed % 10 == 0)
+
+
+def _apply(*names: str) -> None:
+    report = prime_r3.apply(list(names), log=False)
+    for name in names:
+        assert report.outcome(name).state == "applied", report.summary()
+
+
+def _run(seeds: range) -> tuple[Counter[str], Counter[Any], int, int]:
+    seen: Counter[str] = Counter()
+    ends: Counter[Any] = Counter()
+    steps = checks = 0
+    for seed in seeds:
+        episode = harness.run_episode(seed, STEPS, _shape(seed), async_scheduling=seed % 2 == 1)
+        seen.update(episode.seen)
+        ends[episode.dead] += 1
+        steps += episode.steps
+        checks += episode.checks
+    return seen, ends, steps, checks
+
+
+def test_applies_on_every_supported_release(reverted: pytest.MonkeyPatch) -> None:
+    """0.31.0, 0.32.0 and 0.33.0 all carry the verified _commit_output: it applies."""
+    version = guards.installed_vllm_version()
+    assert version in {"0.31.0", "0.32.0", "0.33.0"}, version
+    _apply("batched_commit")
+    target = aux_worker.AuxOutputWorkerConnector.__dict__["_commit_output"]
+    assert isinstance(target, wrapt.FunctionWrapper)
+    prime_r3.revert(["batched_commit"])
+    assert aux_worker.AuxOutputWorkerConnector.__dict__["_commit_output"] is harness.upstream()
+
+
+@pytest.mark.parametrize("chunk", range(CHUNKS))
+def test_differential_parity(reverted: pytest.MonkeyPatch, chunk: int) -> None:
+    """200 seeds x 300 steps over all chunks: outputs, take_output, state, store, errors."""
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    per = SEEDS // CHUNKS
+    seen, ends, steps, checks = _run(range(chunk * per, (chunk + 1) * per))
+    counts = batched_commit.COUNTERS.snapshot()
+    # The harness really drove the patch, on both of its paths.
+    assert counts["fast_requests"] > 0 and counts["fallback_requests"] > 0, counts
+    assert {"multi_token", "cursor", "step"} <= set(counts["fallback_reasons"]), counts
+    assert steps > per * STEPS // 2, (steps, ends)
+    assert checks > steps
+    missing = [case for case in CASES if not seen[case]]
+    assert not missing, f"workload never reached {missing}: {seen}"
+
+
+def test_packed_path_parity(reverted: pytest.MonkeyPatch) -> None:
+    """With packed_outputs in force the fast path builds the PackedAuxOutputs itself."""
+    _apply("packed_outputs", "batched_commit")
+    built = []
+    original = PackedAuxOutputs._trusted.__func__
+
+    def recording(cls: Any, *args: Any) -> Any:
+        result = original(cls, *args)
+        built.append(result)
+        return result
+
+    PackedAuxOutputs._trusted = classmethod(recording)  # type: ignore[method-assign]
+    try:
+        seen, ends, steps, _ = _run(range(1000, 1024))
+    finally:
+        PackedAuxOutputs._trusted = classmethod(original)  # type: ignore[method-assign]
+    assert built and steps > 1000
+    assert seen["decode"] and seen["emit_from_store_or_buffer"]
+
+
+def test_fast_path_counts_and_rows(reverted: pytest.MonkeyPatch) -> None:
+    """A decode step is committed by the fast path (counted), with upstream's rows."""
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    episode = harness.Episode(7, harness.Shape(), async_scheduling=False)
+    try:
+        for _ in range(60):
+            episode.step()
+    finally:
+        episode.close()
+    counts = batched_commit.COUNTERS.snapshot()
+    assert counts["fast_requests"] > 100, counts
+    assert 0 < counts["batched_steps"] <= counts["steps"]
+
+
+def test_whole_step_goes_upstream_when_the_step_is_malformed(reverted: pytest.MonkeyPatch) -> None:
+    """Mismatched lengths: upstream raises its own error, and the step is counted as such."""
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    results = {}
+    for reference in (True, False):
+        connector = harness.make_connector(harness.Shape(), reference)
+        pending = aux_worker.PendingAuxOutput(
+            connector=connector,
+            request_ids=["a", "b"],
+            token_starts=np.array([0, 0], dtype=np.int32),
+            query_start_loc=np.array([0, 1, 2], dtype=np.int32),
+            routed_experts_gpu=None,  # type: ignore[arg-type]
+        )
+        pending.routed_experts = np.zeros((2, 3, 2), np.uint16)
+        pending.num_sampled = np.array([1, 1, 1])
+        pending.num_rejected = np.array([0, 0])
+        connector.begin_step(AuxOutputConnectorMetadata(0, {"a": 0, "b": 0}, {}, ()))
+        try:
+            connector._commit_output(pending)
+        except Exception as error:  # noqa: BLE001
+            results[reference] = harness.error_of(error)
+        connector.close()
+    assert results[True] == results[False] and results[True][0] == "ValueError"
+    assert batched_commit.COUNTERS.snapshot()["fallback_reasons"] == {"step": 2}

@@ -46,9 +46,14 @@ from vllm.distributed.aux_output_connector.store import (
 )
 
 import prime_r3
+from prime_r3.packed import FORMAT_VERSION, READS_MARK
 
 WORKER = "vllm.distributed.aux_output_connector.worker"
 TAKE = object.__new__(AuxOutputSchedulerConnector).take_output  # reads nothing from self
+
+#: Whether the modelled EngineCore declares that it reads packed steps (the default: a
+#: patched EngineCore does); tests turn it off to model one that cannot.
+DECLARE_PACKED_READER = True
 
 
 #: Worker methods a batched patch may wrap; the reference binds upstream's for each.
@@ -388,7 +393,12 @@ class Episode:
             if packed is not None:
                 hashes[request_id] = packed
         self.finished_events = {}
-        return AuxOutputConnectorMetadata(self.generation, scheduled, hashes, finished)
+        metadata = AuxOutputConnectorMetadata(self.generation, scheduled, hashes, finished)
+        if DECLARE_PACKED_READER:
+            # What EngineCore's packed_outputs wrapper of build_connector_meta adds (the
+            # handshake): workers may send packed steps. Upstream ignores the attribute.
+            setattr(metadata, READS_MARK, FORMAT_VERSION)
+        return metadata
 
     def _reset(self) -> None:
         """reset_prefix_cache: every running request preempted, then a new namespace."""

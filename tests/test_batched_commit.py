@@ -121,6 +121,31 @@ def test_packed_path_parity(reverted: pytest.MonkeyPatch) -> None:
     assert seen["decode"] and seen["emit_from_store_or_buffer"]
 
 
+def test_no_packed_step_for_an_engine_core_that_did_not_declare(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """The packed_outputs handshake holds on the batched path too: without EngineCore's
+    declaration in the step's metadata, every step goes out as upstream's dict."""
+    _apply("packed_outputs", "batched_commit")
+    reverted.setattr(harness, "DECLARE_PACKED_READER", False)
+    built = []
+    original = PackedAuxOutputs._trusted.__func__
+
+    def recording(cls: Any, *args: Any) -> Any:
+        result = original(cls, *args)
+        built.append(result)
+        return result
+
+    PackedAuxOutputs._trusted = classmethod(recording)  # type: ignore[method-assign]
+    batched_commit.COUNTERS.reset()
+    try:
+        _run(range(1000, 1004))
+    finally:
+        PackedAuxOutputs._trusted = classmethod(original)  # type: ignore[method-assign]
+    assert batched_commit.COUNTERS.snapshot()["fast_requests"] > 0  # the fast path ran
+    assert built == []
+
+
 def test_fast_path_counts_and_rows(reverted: pytest.MonkeyPatch) -> None:
     """A decode step is committed by the fast path (counted), with upstream's rows."""
     _apply("batched_commit")

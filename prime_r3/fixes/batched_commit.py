@@ -127,14 +127,20 @@ def _root(array: Any) -> Any:
 
 
 def _packing_in_force(connector: Any) -> bool:
-    """Whether this process sends packed steps: packed_outputs wraps process_output here.
+    """Whether this step is sent packed: packed_outputs wraps process_output here **and**
+    EngineCore declared, in this step's connector metadata, that it reads the packed
+    format (``prime_r3.packed.reader_declared``, the packed_outputs handshake).
 
     The fast path then builds the ``PackedAuxOutputs`` directly; otherwise it returns
-    upstream's dict, so turning packed_outputs off turns packed transport off.
+    upstream's dict, exactly as packed_outputs' own wrapper decides, so an EngineCore
+    that cannot read packed steps (overlay off there, another prime_r3, a custom
+    consumer) never gets one from the batched path either.
     """
+    from prime_r3.packed import reader_declared
+
     return prime_state.is_object_patched(
         inspect.getattr_static(type(connector), "process_output", None)
-    )
+    ) and reader_declared(getattr(connector, "_step_metadata", None))
 
 
 def _whole_step_reason(connector: Any, pending: Any) -> str | None:

@@ -111,6 +111,10 @@ class PatchSpec:
     #: Called after the patch's targets are removed (e.g. to undo a side effect).
     on_revert: Callable[[], None] | None = None
     notes: str = field(default="")
+    #: Why this patch has no upstream-form diff under ``patches/`` yet; empty when it has
+    #: one for every release it applies to (``scripts/patches.py`` and
+    #: ``tests/test_upstream_diffs.py`` hold every other registry patch to that).
+    diff_pending: str = ""
 
     def anchors_for(self, version: str | None) -> tuple[Anchor, ...]:
         """The anchors the installed release has (see ``Anchor.releases``)."""

@@ -93,7 +93,27 @@ def registry_names(release: str) -> list[str]:
         from prime_r3.patches import REGISTRY
     finally:
         sys.path.remove(str(ROOT))
-    return [spec.name for spec in REGISTRY if check_version(spec, release) is None]
+    return [
+        spec.name
+        for spec in REGISTRY
+        if check_version(spec, release) is None and not spec.diff_pending
+    ]
+
+
+def registry_pending(release: str) -> dict[str, str]:
+    """Registry patches that apply to ``release`` but have no diff yet, and why (the
+    record's ``diff_pending``): the overlay carries them alone for now."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from prime_r3.guards import check_version
+        from prime_r3.patches import REGISTRY
+    finally:
+        sys.path.remove(str(ROOT))
+    return {
+        spec.name: spec.diff_pending
+        for spec in REGISTRY
+        if check_version(spec, release) is None and spec.diff_pending
+    }
 
 
 def registry_mismatch(release: str, diffs: Sequence[Diff]) -> list[str]:
@@ -105,8 +125,11 @@ def registry_mismatch(release: str, diffs: Sequence[Diff]) -> list[str]:
         for n in expected
         if n not in names
     ]
+    pending = registry_pending(release)
     problems += [
-        f"diff {d.path.name} has no registry patch that applies to {release}"
+        f"diff {d.path.name} exists but the registry says it has none yet: {pending[d.name]}"
+        if d.name in pending
+        else f"diff {d.path.name} has no registry patch that applies to {release}"
         for d in diffs
         if d.name not in expected
     ]
@@ -297,6 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for diff in diffs:
                 size = diff.path.stat().st_size
                 print(f"{diff.path.name:28} {size:6d} B  {', '.join(diff.files)}")
+            for name, why in registry_pending(release).items():
+                print(f"{name:28} no diff yet (overlay only): {why}")
             print(f"vLLM {release} at {site}: {found.state}")
             for problem in found.problems:
                 print(f"  {problem}")

@@ -186,3 +186,65 @@ def test_whole_step_goes_upstream_when_the_step_is_malformed(reverted: pytest.Mo
         connector.close()
     assert results[True] == results[False] and results[True][0] == "ValueError"
     assert batched_commit.COUNTERS.snapshot()["fallback_reasons"] == {"step": 2}
+
+
+def _same_key_step(reference: bool) -> tuple[list[int], dict[str, list[int]]]:
+    """A (decode, fast path) and B (prefill chunk, fallback) complete the same block key K
+    in one step with different routing; then C hits the prefix cache on K and emits from
+    the store. Returns the store's rows for K and every request's emitted rows."""
+    shape = harness.Shape(block=4, token_shape=(3, 2), dtype=np.uint16)
+    connector = harness.make_connector(shape, reference)
+    key = "vllm-artifact/0/aa"
+    connector._store.put([], retain_keys=[key, key])
+    state = aux_worker._WorkerRequestState
+    connector._requests["A"] = state(
+        aux_output_keys=[key], capture_cursor=3, scheduled_cursor=3, emit_cursor=3
+    )
+    connector._buffer.capture("A", 0, np.full((3, 3, 2), 7, np.uint16))
+    connector._requests["B"] = state(aux_output_keys=[key], emit_cursor=0)
+    rows = np.zeros((5, 3, 2), np.uint16)
+    rows[0] = 7  # A's decode row, token 3
+    rows[1:5] = 9  # B's prefill rows, tokens 0..3: the same key, other routing
+    outputs: dict[str, Any] = {}
+    for request_id in ("A", "B"):
+        connector._requests[request_id].pending_outputs += 1
+    steps = [
+        (["A", "B"], [3, 0], [0, 1, 5], rows),
+        (["C"], [4], [0, 1], np.full((1, 3, 2), 5, np.uint16)),
+    ]
+    for number, (ids, starts, qsl, step_rows) in enumerate(steps):
+        if number == 1:
+            connector._store.put([], retain_keys=[key])
+            connector._requests["C"] = state(
+                aux_output_keys=[key], emit_cursor=0, pending_outputs=1
+            )
+        pending = aux_worker.PendingAuxOutput(
+            connector=connector,
+            request_ids=ids,
+            token_starts=np.array(starts),
+            query_start_loc=np.array(qsl, dtype=np.int32),
+            routed_experts_gpu=None,
+            routed_experts=step_rows,
+            num_sampled=np.ones(len(ids), dtype=np.int64),
+            num_rejected=np.zeros(len(ids), dtype=np.int64),
+        )
+        connector._pending_outputs.append(pending)
+        outputs.update(connector.process_output(pending))
+    _, payloads, _, _ = harness.store_state(connector)
+    stored = np.frombuffer(payloads, np.uint16)[: 4 * 6].reshape(4, 3, 2)[:, 0, 0].tolist()
+    return stored, {r: o.rows[:, 0, 0].tolist() for r, o in outputs.items()}
+
+
+def test_a_key_completed_twice_in_one_step_keeps_upstreams_payload(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """Upstream publishes the step in one put, where the later request in batch order wins
+    a key both complete; the fast path must not publish its blocks in a put of their own
+    (found by review: C's prefix-hit rows were A's, not B's)."""
+    expected = _same_key_step(reference=True)
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    assert _same_key_step(reference=False) == expected
+    assert expected[0] == [9, 9, 9, 9] and expected[1]["C"] == [9, 9, 9, 9, 5]
+    counts = batched_commit.COUNTERS.snapshot()
+    assert counts["fast_requests"] >= 1 and counts["fallback_requests"] >= 1  # both paths

@@ -34,15 +34,14 @@ out of range, a different row profile) goes to upstream whole, so upstream raise
 
 Differences from upstream, and why they are not observable:
 
-* Store writes: a step with both fast and fallback requests that complete blocks makes
-  two ``put`` calls (the fast blocks first, then upstream's) instead of one. Both keep
-  batch order within themselves. Every published key was retained by its request's
-  ``begin_step`` before its block could publish, so it cannot be a victim before its
-  request's terminal release moves it to the LRU end: victims, keys and payloads are
-  upstream's (the differential test compares them after every step).
-* The fast blocks' buffer slots return to the free list before the fallback requests
-  capture, not after: only "block pool is exhausted" (an upstream invariant violation)
-  could differ.
+* Store writes: none. Upstream captures the whole step, then publishes it in one
+  ``put`` (a key two requests complete in the same step keeps the later one's rows)
+  before any emit reads the store. With fallback requests in the step, the fast
+  requests' ``(state, completed)`` pairs are merged into the fallback's own single
+  ``_publish_blocks`` call, in batch order (``_one_publication``): the same one put.
+  (An earlier version published the fast blocks in a put of their own first; a review
+  found a key completed by a fast and a fallback request in one step then kept the
+  fast one's rows, and a later prefix hit emitted them.)
 * Dict order: direct outputs in batch order, then outputs materialised from the store
   or buffer (as upstream's), since upstream's order is kept.
 
@@ -51,13 +50,14 @@ Counters (``COUNTERS``) say which requests were ours and which upstream's, by re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
 import operator
 import threading
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from itertools import repeat
 from typing import Any
 
@@ -200,14 +200,10 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
         selected = _select(instance, ids, token_starts, decode, reasons, _RequestTail)
         if selected is None:
             return _upstream_step(wrapped, args, kwargs, pending)
-        fast, fallback, slots, locals_, published = selected
+        fast, fallback, slots, locals_, published, published_at = selected
         buffer_rows = instance._buffer._rows
         fast_rows = qsl[fast]
         buffer_rows[slots, locals_] = rows[fast_rows]
-        if published:
-            # Upstream's own publication, for the same (state, completed) pairs in batch
-            # order, before any fallback request may read the store.
-            instance._publish_blocks(published)
 
         starts = token_starts.tolist()
         if len(fast) + len(fallback) != n:
@@ -224,11 +220,16 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
 
         direct: list[tuple[int, str, Any]] = []
         materialised: list[tuple[str, Any]] = []
-        if fallback:
+        if not fallback:
+            if published:  # upstream's own publication, same pairs, batch order
+                instance._publish_blocks(published)
+        else:
             sub, sub_rows = _sub_step(pending, fallback, qsl, num_tokens, token_starts)
             sub_root = _root(sub_rows)
             position = dict(zip(sub.request_ids, fallback, strict=True))
-            for request_id, output in wrapped(sub).items():
+            with _one_publication(instance, published, published_at, fallback):
+                sub_outputs = wrapped(sub)
+            for request_id, output in sub_outputs.items():
                 value_rows = output.rows
                 if isinstance(value_rows, np.ndarray) and _root(value_rows) is sub_root:
                     direct.append((position[request_id], request_id, output))
@@ -362,6 +363,7 @@ def _select(
     complete = new_lengths == block_size
     waiting = np.fromiter(map(bool, map(_pending_blocks, fast_states)), bool, k)
     published = []
+    published_at: list[int] = []
     if complete.any() or waiting.any():
         owned_slots = buffer._owned_slots
         for i in np.flatnonzero(complete | waiting).tolist():
@@ -375,7 +377,46 @@ def _select(
                 published.append((state, [(tail.block_start, block)]))
             else:
                 published.append((state, []))
-    return fast, fallback, slots, fast_lengths, published
+            published_at.append(fast[i])
+    return fast, fallback, slots, fast_lengths, published, published_at
+
+
+@contextlib.contextmanager
+def _one_publication(
+    connector: Any, published: list[Any], published_at: list[int], fallback: list[int]
+) -> Iterator[None]:
+    """Upstream's single ``_publish_blocks`` call for the whole step, in batch order.
+
+    Upstream captures every request, then publishes the batch in one store ``put``
+    (where, for a key two requests complete in the same step, the later one in batch
+    order wins) and only then reads the store for emits. The fallback runs upstream's
+    ``_commit_output`` on the other requests, which calls ``_publish_blocks`` exactly
+    once: for that call the connector's ``_publish_blocks`` merges the fast requests'
+    ``(state, completed)`` pairs with the fallback's by batch position, so the store
+    gets the one ``put`` upstream makes, before any fallback emit reads it. The
+    instance attribute lives only for this call (under the connector's lock).
+    """
+    publish = connector._publish_blocks  # upstream's bound method
+
+    def merged(batches: list[Any], *args: Any, **kwargs: Any) -> Any:
+        connector.__dict__.pop("_publish_blocks", None)  # one merge per step
+        if len(batches) != len(fallback):  # not the call we expect: publish separately
+            if published:
+                publish(published)
+            return publish(batches, *args, **kwargs)
+        pairs = sorted(
+            [*zip(published_at, published, strict=True), *zip(fallback, batches, strict=True)],
+            key=operator.itemgetter(0),
+        )
+        return publish([pair for _, pair in pairs], *args, **kwargs)
+
+    connector._publish_blocks = merged
+    try:
+        yield
+    finally:
+        # Upstream raised before publishing (an assertion on a fallback request): like
+        # upstream, nothing of this step is published; the worker's error is fatal.
+        connector.__dict__.pop("_publish_blocks", None)
 
 
 def _upstream_step(

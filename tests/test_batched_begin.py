@@ -96,3 +96,24 @@ def test_known_requests_skip_upstreams_loop(reverted: pytest.MonkeyPatch) -> Non
     assert connector._requests["c"].emit_cursor == 5
     assert batched_begin.COUNTERS.snapshot()["fast_requests"] == 2
     connector.close()
+
+
+def test_the_trimmed_metadata_keeps_the_packed_reader_declaration(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """Upstream holds the copy as the step's metadata while begin_step runs: a concurrent
+    process_output must still see EngineCore's declaration there (found by review)."""
+    from prime_r3.fixes import batched_begin
+    from prime_r3.packed import FORMAT_VERSION, READS_MARK, reader_declared
+
+    _apply("batched_begin")
+    connector = harness.make_connector(harness.Shape(), reference=False)
+    connector.begin_step(AuxOutputConnectorMetadata(0, {"a": 0, "b": 0}, {}, ()))
+    metadata = AuxOutputConnectorMetadata(0, {"c": 5, "a": 0, "b": 0}, {}, ())
+    setattr(metadata, READS_MARK, FORMAT_VERSION)
+    trimmed = batched_begin._trim(connector, metadata)
+    assert trimmed is not None
+    known, new = trimmed
+    assert known == 2 and list(new.requests) == ["c"]
+    assert reader_declared(new)
+    connector.close()

@@ -86,7 +86,14 @@ def _trim(connector: Any, metadata: Any) -> tuple[int, Any] | None:
             if bool((settled & (emit > cursor)).any()):
                 return None  # upstream's assertion, with upstream's effects before it
     new_requests = {r: e for r, e in scheduled.items() if r in unknown} if unknown else {}
-    return k, dataclasses.replace(metadata, requests=new_requests)
+    trimmed = dataclasses.replace(metadata, requests=new_requests)
+    # Attributes beyond the dataclass fields (packed_outputs' reader declaration, which
+    # EngineCore sets) go with the copy: upstream stores it as the step's metadata while
+    # it runs, and a concurrent process_output reads the declaration from there.
+    fields = {field.name for field in dataclasses.fields(metadata)}
+    extra = {k: v for k, v in getattr(metadata, "__dict__", {}).items() if k not in fields}
+    trimmed.__dict__.update(extra)
+    return k, trimmed
 
 
 # Verified source fingerprints (scripts/fingerprint.py): begin_step is identical in vLLM

@@ -472,7 +472,18 @@ def _rebuild(version: Any, *fields: Any) -> PackedAuxOutputs:
     another format version fails here with both versions named, not with a
     ``TypeError`` about arguments.
     """
-    if version != FORMAT_VERSION:
+    if len(fields) == 5 and isinstance(fields[0], str | tuple):
+        # prime_r3 before the handshake pickled (n, ids, ints, payload, dtype, shape):
+        # no version, and its workers pack whatever EngineCore runs. Its ``n`` lands in
+        # ``version`` here; name the real cause rather than a format number.
+        raise PackedFormatError(
+            "prime_r3 packed_outputs: a worker running a prime_r3 from before the packed "
+            "format handshake (unversioned packed steps) sent a packed step; this process "
+            f"reads format {FORMAT_VERSION} (prime_r3 {_prime_r3_version()}); run the same "
+            "prime_r3 in EngineCore and every worker, or set "
+            "PRIME_R3_PATCHES=all,-packed_outputs on the workers"
+        )
+    if version != FORMAT_VERSION or len(fields) != 6:
         raise PackedFormatError(
             f"prime_r3 packed_outputs: a worker sent a step packed in format {version!r}, "
             f"this process reads format {FORMAT_VERSION} (prime_r3 {_prime_r3_version()}); "

@@ -199,3 +199,28 @@ def test_replaced_rows_before_pickling_are_what_is_sent() -> None:
     packed[key].rows = np.full((5, 4, 2), 9, np.uint16)  # the same object as outputs[key]
     received = pickle.loads(pickle.dumps(packed, protocol=5))
     assert _plain(received) == _plain(outputs)
+
+
+class _PreHandshakeStep:
+    """A step as prime_r3 0.1.0 before the handshake pickled it (commit 233e623's
+    ``__reduce_ex__``): ``_rebuild(n, ids, ints, payload, dtype, token_shape)``, no version."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        from prime_r3 import packed
+
+        rows = np.zeros((self.n, 3, 2), np.uint16)
+        ints = np.concatenate((np.arange(self.n), np.arange(self.n + 1))).astype(np.int64)
+        ids = "\x00".join(f"r{i}" for i in range(self.n))
+        return packed._rebuild, (self.n, ids, ints.tobytes(), rows.tobytes(), rows.dtype, (3, 2))
+
+
+@pytest.mark.parametrize("n", [1, 3, 6])
+def test_a_step_from_a_pre_handshake_worker_names_the_cause(n: int) -> None:
+    """Not 'not enough values to unpack', and not 'format 3' (its n read as a version)."""
+    from prime_r3.packed import PackedFormatError
+
+    with pytest.raises(PackedFormatError, match="from before the packed format handshake"):
+        pickle.loads(pickle.dumps(_PreHandshakeStep(n), protocol=5))

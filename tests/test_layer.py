@@ -295,6 +295,24 @@ def test_anchor_replaced_by_another_layer_skips_the_patch(
     assert layer.apply(["packed_outputs"]).outcome("packed_outputs").state == layer.APPLIED
 
 
+@pytest.mark.parametrize("how", sorted(fake_layers.FUNCTION_LAYERS))
+def test_a_function_wrapped_where_upstream_looks_it_up_skips_the_patch(
+    reverted: pytest.MonkeyPatch, how: str
+) -> None:
+    """worker.py calls materialize_routed_experts through its own `from ... import` name:
+    a layer there, not at the definition, must be seen too (found by review)."""
+    import importlib
+
+    worker = importlib.import_module(WORKER)
+    original = worker.materialize_routed_experts
+    reverted.setattr(
+        worker, "materialize_routed_experts", fake_layers.FUNCTION_LAYERS[how](original)
+    )
+    _assert_packed_outputs_skips_naming(f"{WORKER}:materialize_routed_experts")
+    reverted.setattr(worker, "materialize_routed_experts", original)
+    assert layer.apply(["packed_outputs"]).outcome("packed_outputs").state == layer.APPLIED
+
+
 def test_class_anchor_with_a_wrapped_method_skips_the_patch(reverted: pytest.MonkeyPatch) -> None:
     """PendingAuxOutput is a dataclass anchor; its generated __init__ wrapped elsewhere."""
     from vllm.distributed.aux_output_connector.worker import PendingAuxOutput

@@ -554,6 +554,9 @@ SPEC = PatchSpec(
         # capture()/_tail(): tails, free and owned slots, the row array.
         Anchor(_ROUTED_EXPERTS, "RoutedExpertsBuffer", _BUFFER),
         Anchor(_ROUTED_EXPERTS, "_RequestTail", _REQUEST_TAIL),
+        # The store read _commit_output makes for emits (rows we then tell apart from
+        # snapshot views), where worker.py looks it up (`from ... import`).
+        Anchor(_WORKER, "materialize_routed_experts", frozenset({"467c3027a566df14"})),
         # Values we build for the dict path; the consumer of the packed path.
         Anchor(
             "vllm.distributed.aux_output_connector.connector",

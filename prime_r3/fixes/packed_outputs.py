@@ -166,5 +166,8 @@ SPEC = PatchSpec(
         # buffer.read copies, and the store path returns arrays over stored bytes.
         Anchor(_ROUTED_EXPERTS, "RoutedExpertsBuffer.read", _BUFFER_READ),
         Anchor(_ROUTED_EXPERTS, "materialize_routed_experts", _MATERIALIZE),
+        # ... and the name _commit_output actually calls (worker.py imports it with
+        # `from ... import`): another layer may wrap it there and not at its definition.
+        Anchor(_WORKER, "materialize_routed_experts", _MATERIALIZE),
     ),
 )

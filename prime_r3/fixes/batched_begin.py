@@ -116,7 +116,7 @@ SPEC = PatchSpec(
         Anchor(_CONNECTOR, "AuxOutputConnectorMetadata", _METADATA),
     ),
     diff_pending=(
-        "overlay only for now: upstream would keep known requests in arrays in "
+        "upstream would keep known requests in arrays in "
         "begin_step itself; written with batched_commit's upstream form"
     ),
 )

@@ -570,7 +570,7 @@ SPEC = PatchSpec(
         ),
     ),
     diff_pending=(
-        "overlay only for now: its upstream form is array-held request state in "
+        "its upstream form is array-held request state in "
         "_commit_output itself (issue 10's worker side), not this fast path beside it"
     ),
 )

@@ -9,11 +9,13 @@ three and runs unchanged on each.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from collections import Counter  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -101,10 +103,10 @@ def test_differential_parity(reverted: pytest.MonkeyPatch, chunk: int) -> None:
     assert not missing, f"workload never reached {missing}: {seen}"
 
 
-def test_packed_path_parity(reverted: pytest.MonkeyPatch) -> None:
-    """With packed_outputs in force the fast path builds the PackedAuxOutputs itself."""
-    _apply("packed_outputs", "batched_commit")
-    built = []
+@contextlib.contextmanager
+def _packed_steps_built() -> Iterator[list[Any]]:
+    """Record every ``PackedAuxOutputs`` the fast path builds (``_trusted``) meanwhile."""
+    built: list[Any] = []
     original = PackedAuxOutputs._trusted.__func__
 
     def recording(cls: Any, *args: Any) -> Any:
@@ -114,9 +116,16 @@ def test_packed_path_parity(reverted: pytest.MonkeyPatch) -> None:
 
     PackedAuxOutputs._trusted = classmethod(recording)  # type: ignore[method-assign]
     try:
-        seen, ends, steps, _ = _run(range(1000, 1024))
+        yield built
     finally:
         PackedAuxOutputs._trusted = classmethod(original)  # type: ignore[method-assign]
+
+
+def test_packed_path_parity(reverted: pytest.MonkeyPatch) -> None:
+    """With packed_outputs in force the fast path builds the PackedAuxOutputs itself."""
+    _apply("packed_outputs", "batched_commit")
+    with _packed_steps_built() as built:
+        seen, ends, steps, _ = _run(range(1000, 1024))
     assert built and steps > 1000
     assert seen["decode"] and seen["emit_from_store_or_buffer"]
 
@@ -128,20 +137,9 @@ def test_no_packed_step_for_an_engine_core_that_did_not_declare(
     declaration in the step's metadata, every step goes out as upstream's dict."""
     _apply("packed_outputs", "batched_commit")
     reverted.setattr(harness, "DECLARE_PACKED_READER", False)
-    built = []
-    original = PackedAuxOutputs._trusted.__func__
-
-    def recording(cls: Any, *args: Any) -> Any:
-        result = original(cls, *args)
-        built.append(result)
-        return result
-
-    PackedAuxOutputs._trusted = classmethod(recording)  # type: ignore[method-assign]
     batched_commit.COUNTERS.reset()
-    try:
+    with _packed_steps_built() as built:
         _run(range(1000, 1004))
-    finally:
-        PackedAuxOutputs._trusted = classmethod(original)  # type: ignore[method-assign]
     assert batched_commit.COUNTERS.snapshot()["fast_requests"] > 0  # the fast path ran
     assert built == []
 

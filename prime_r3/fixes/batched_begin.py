@@ -29,6 +29,10 @@ from typing import Any
 
 import numpy as np
 
+from prime_r3.fixes.aux_output import (
+    BEGIN_STEP,
+    WORKER_REQUEST_STATE,
+)
 from prime_r3.fixes.aux_output import CONNECTOR_MODULE as _CONNECTOR
 from prime_r3.fixes.aux_output import WORKER_MODULE as _WORKER
 from prime_r3.fixes.batched_commit import Counters
@@ -99,8 +103,6 @@ def _trim(connector: Any, metadata: Any) -> tuple[int, Any] | None:
 # Verified source fingerprints (scripts/fingerprint.py): begin_step is identical in vLLM
 # 0.31.0 and 0.32.0; 0.33.0 adds the retained/released block hashes (read in its wheel:
 # the requests loop this patch trims is unchanged, and those keys pass through).
-_BEGIN_STEP = frozenset({"573fa6addb501b76", "679e7b1853ff78be"})
-_WORKER_REQUEST_STATE = frozenset({"6055aab0a3f9e256"})
 _METADATA = frozenset({"675d2b630402ee5b", "39ee9e24bf7fd4e4"})
 
 SPEC = PatchSpec(
@@ -108,10 +110,10 @@ SPEC = PatchSpec(
     summary="output worker's begin_step checks known requests at once; upstream handles new ones",
     vllm_range=">=0.31,<0.34",
     processes=frozenset({Process.WORKER}),
-    targets=(Target(_WORKER, "AuxOutputWorkerConnector.begin_step", _BEGIN_STEP, _batched_begin),),
+    targets=(Target(_WORKER, "AuxOutputWorkerConnector.begin_step", BEGIN_STEP, _batched_begin),),
     anchors=(
         # We read pending_outputs and emit_cursor of the states upstream made.
-        Anchor(_WORKER, "_WorkerRequestState", _WORKER_REQUEST_STATE),
+        Anchor(_WORKER, "_WorkerRequestState", WORKER_REQUEST_STATE),
         # We copy it with dataclasses.replace (0.33 adds two fields; kept as they are).
         Anchor(_CONNECTOR, "AuxOutputConnectorMetadata", _METADATA),
     ),

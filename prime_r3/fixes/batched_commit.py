@@ -64,6 +64,15 @@ from typing import Any
 import numpy as np
 
 from prime_r3 import state as prime_state
+from prime_r3.fixes.aux_output import (
+    AUX_REQUEST_OUTPUT,
+    COMMIT_OUTPUT,
+    MATERIALIZE_ROUTED_EXPERTS,
+    PENDING_AUX_OUTPUT,
+    PROCESS_OUTPUT,
+    TAKE_OUTPUT,
+    WORKER_REQUEST_STATE,
+)
 from prime_r3.fixes.aux_output import ROUTED_EXPERTS_MODULE as _ROUTED_EXPERTS
 from prime_r3.fixes.aux_output import WORKER_MODULE as _WORKER
 from prime_r3.spec import Anchor, PatchSpec, Process, Target, WrapperFn
@@ -520,18 +529,12 @@ def _packed(
     return packed_cls._trusted(out_ids, joined, out_starts, offsets, out_rows)
 
 
-# Verified source fingerprints (scripts/fingerprint.py); worker.py's _commit_output,
-# _publish_blocks and PendingAuxOutput and all of routed_experts.py are byte-identical
-# in vLLM 0.31.0, 0.32.0 and 0.33.0 (0.33 changed only begin_step in worker.py).
-_COMMIT_OUTPUT = frozenset({"29bd5bec6708d002"})
-_PROCESS_OUTPUT = frozenset({"06ee5fa311ada6e3"})
+# Verified source fingerprints (scripts/fingerprint.py; those shared with other patches
+# are in fixes/aux_output.py): worker.py's _publish_blocks and all of routed_experts.py
+# are byte-identical in vLLM 0.31.0, 0.32.0 and 0.33.0.
 _PUBLISH_BLOCKS = frozenset({"cf38981d0625b2c8"})
-_WORKER_REQUEST_STATE = frozenset({"6055aab0a3f9e256"})
-_PENDING_AUX_OUTPUT = frozenset({"41701d3db6f69d56"})
 _BUFFER = frozenset({"ad486671c35e902f"})
 _REQUEST_TAIL = frozenset({"81eb99451d75a944"})
-_AUX_REQUEST_OUTPUT = frozenset({"c86fdd3be04a8c32"})
-_TAKE_OUTPUT = frozenset({"08dfe701debdb1e5"})
 
 SPEC = PatchSpec(
     name="batched_commit",
@@ -541,32 +544,32 @@ SPEC = PatchSpec(
     # Commits in the output worker; the packed output it builds is read in EngineCore.
     processes=frozenset({Process.WORKER, Process.ENGINE_CORE}),
     targets=(
-        Target(_WORKER, "AuxOutputWorkerConnector._commit_output", _COMMIT_OUTPUT, _batched_commit),
+        Target(_WORKER, "AuxOutputWorkerConnector._commit_output", COMMIT_OUTPUT, _batched_commit),
     ),
     anchors=(
         # Its only caller, under the connector lock.
-        Anchor(_WORKER, "AuxOutputWorkerConnector.process_output", _PROCESS_OUTPUT),
+        Anchor(_WORKER, "AuxOutputWorkerConnector.process_output", PROCESS_OUTPUT),
         # Called with the fast requests' (state, completed) pairs, as upstream does.
         Anchor(_WORKER, "AuxOutputWorkerConnector._publish_blocks", _PUBLISH_BLOCKS),
         # The cursors we set; the step fields we read and replace for the fallback.
-        Anchor(_WORKER, "_WorkerRequestState", _WORKER_REQUEST_STATE),
-        Anchor(_WORKER, "PendingAuxOutput", _PENDING_AUX_OUTPUT),
+        Anchor(_WORKER, "_WorkerRequestState", WORKER_REQUEST_STATE),
+        Anchor(_WORKER, "PendingAuxOutput", PENDING_AUX_OUTPUT),
         # capture()/_tail(): tails, free and owned slots, the row array.
         Anchor(_ROUTED_EXPERTS, "RoutedExpertsBuffer", _BUFFER),
         Anchor(_ROUTED_EXPERTS, "_RequestTail", _REQUEST_TAIL),
         # The store read _commit_output makes for emits (rows we then tell apart from
         # snapshot views), where worker.py looks it up (`from ... import`).
-        Anchor(_WORKER, "materialize_routed_experts", frozenset({"467c3027a566df14"})),
+        Anchor(_WORKER, "materialize_routed_experts", MATERIALIZE_ROUTED_EXPERTS),
         # Values we build for the dict path; the consumer of the packed path.
         Anchor(
             "vllm.distributed.aux_output_connector.connector",
             "AuxRequestOutput",
-            _AUX_REQUEST_OUTPUT,
+            AUX_REQUEST_OUTPUT,
         ),
         Anchor(
             "vllm.distributed.aux_output_connector.connector",
             "AuxOutputSchedulerConnector.take_output",
-            _TAKE_OUTPUT,
+            TAKE_OUTPUT,
         ),
     ),
     diff_pending=(

@@ -47,6 +47,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from prime_r3.fixes.aux_output import (
+    AUX_REQUEST_OUTPUT,
+    BEGIN_STEP,
+    COMMIT_OUTPUT,
+    MATERIALIZE_ROUTED_EXPERTS,
+    PENDING_AUX_OUTPUT,
+    PROCESS_OUTPUT,
+    TAKE_OUTPUT,
+)
 from prime_r3.fixes.aux_output import CONNECTOR_MODULE as _CONNECTOR
 from prime_r3.fixes.aux_output import ROUTED_EXPERTS_MODULE as _ROUTED_EXPERTS
 from prime_r3.fixes.aux_output import WORKER_MODULE as _WORKER
@@ -121,15 +130,8 @@ def _step_rows(args: tuple[Any, ...], kwargs: Mapping[str, Any], step_rows: Any)
 # build_connector_meta differs in each release (0.32 clamps the prompt start, 0.33 adds
 # retained/released block hashes) and returns AuxOutputConnectorMetadata, a plain
 # dataclass, in all three; begin_step stores the metadata first thing in all three.
-_PROCESS_OUTPUT = frozenset({"06ee5fa311ada6e3"})
-_COMMIT_OUTPUT = frozenset({"29bd5bec6708d002"})
-_TAKE_OUTPUT = frozenset({"08dfe701debdb1e5"})
 _BUILD_CONNECTOR_META = frozenset({"1c711c2cec26dcf1", "db0b9aab742a9e2d", "07c164aa04c92587"})
-_BEGIN_STEP = frozenset({"573fa6addb501b76", "679e7b1853ff78be"})
-_AUX_REQUEST_OUTPUT = frozenset({"c86fdd3be04a8c32"})
-_PENDING_AUX_OUTPUT = frozenset({"41701d3db6f69d56"})
 _BUFFER_READ = frozenset({"cb98f753b1c45077"})
-_MATERIALIZE = frozenset({"467c3027a566df14"})
 
 SPEC = PatchSpec(
     name="packed_outputs",
@@ -139,7 +141,7 @@ SPEC = PatchSpec(
     processes=frozenset({Process.WORKER, Process.ENGINE_CORE}),
     targets=(
         Target(
-            _WORKER, "AuxOutputWorkerConnector.process_output", _PROCESS_OUTPUT, _pack_step_output
+            _WORKER, "AuxOutputWorkerConnector.process_output", PROCESS_OUTPUT, _pack_step_output
         ),
         # EngineCore declares in each step's metadata that it reads the packed format.
         Target(
@@ -153,21 +155,21 @@ SPEC = PatchSpec(
         # The producer: one dtype and per-token shape per step; rows are views of the
         # step's fresh snapshot, buffer.read copies or the store's bytes (read-only).
         # A snapshot view ends at query_start_loc[j + 1] - num_rejected[j] (StepRows).
-        Anchor(_WORKER, "AuxOutputWorkerConnector._commit_output", _COMMIT_OUTPUT),
+        Anchor(_WORKER, "AuxOutputWorkerConnector._commit_output", COMMIT_OUTPUT),
         # The worker reads the declaration from the metadata begin_step stores.
-        Anchor(_WORKER, "AuxOutputWorkerConnector.begin_step", _BEGIN_STEP),
+        Anchor(_WORKER, "AuxOutputWorkerConnector.begin_step", BEGIN_STEP),
         # The EngineCore consumer: only `in`, `[]`, `.token_start` and `.rows`.
-        Anchor(_CONNECTOR, "AuxOutputSchedulerConnector.take_output", _TAKE_OUTPUT),
+        Anchor(_CONNECTOR, "AuxOutputSchedulerConnector.take_output", TAKE_OUTPUT),
         # We build these positionally as (token_start, rows).
-        Anchor(_CONNECTOR, "AuxRequestOutput", _AUX_REQUEST_OUTPUT),
+        Anchor(_CONNECTOR, "AuxRequestOutput", AUX_REQUEST_OUTPUT),
         # StepRows reads these fields of the step snapshot.
-        Anchor(_WORKER, "PendingAuxOutput", _PENDING_AUX_OUTPUT),
+        Anchor(_WORKER, "PendingAuxOutput", PENDING_AUX_OUTPUT),
         # The gather relies on non-snapshot rows never being views of the snapshot:
         # buffer.read copies, and the store path returns arrays over stored bytes.
         Anchor(_ROUTED_EXPERTS, "RoutedExpertsBuffer.read", _BUFFER_READ),
-        Anchor(_ROUTED_EXPERTS, "materialize_routed_experts", _MATERIALIZE),
+        Anchor(_ROUTED_EXPERTS, "materialize_routed_experts", MATERIALIZE_ROUTED_EXPERTS),
         # ... and the name _commit_output actually calls (worker.py imports it with
         # `from ... import`): another layer may wrap it there and not at its definition.
-        Anchor(_WORKER, "materialize_routed_experts", _MATERIALIZE),
+        Anchor(_WORKER, "materialize_routed_experts", MATERIALIZE_ROUTED_EXPERTS),
     ),
 )

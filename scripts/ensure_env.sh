@@ -53,3 +53,6 @@ if [ -n "$still" ]; then
     echo "prime_r3: environment for vLLM $VLLM_RELEASE still not right after install: $still" >&2
     exit 1
 fi
+# Store the bytes this release shares with the other release environments once (CI sets
+# up all three on one disk): hard links to identical third-party files, vllm/ excluded.
+"$VENV/bin/python" "$ROOT/scripts/share_env_files.py" "$ROOT" "$VENV"

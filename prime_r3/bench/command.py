@@ -196,7 +196,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     arms = arms_mod.default_arms(applies, per_patch)
     print(
-        f"prime-r3 bench on vllm {version}: {len(arms)} arms x {cfg.total_steps} steps, "
+        f"prime-r3 bench on vllm {version}: {len(arms)} arms x {cfg.total_steps} steps "
+        f"({cfg.warmup} warm-up + {cfg.steps} measured), "
         f"{cfg.concurrency} concurrent, {cfg.num_kv_blocks} KV blocks, "
         f"{cfg.layers}x{cfg.topk} routing ({'async' if cfg.async_scheduling else 'sync'} "
         "scheduling)",

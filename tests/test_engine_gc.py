@@ -320,6 +320,24 @@ def test_shutdown_of_one_engine_keeps_thresholds_for_a_live_one(engine_env) -> N
     assert gc.get_threshold() == (700, 10, 10)
 
 
+def test_engine_built_before_the_overlay_does_not_restore_under_a_live_one(engine_env) -> None:  # noqa: ANN001
+    """Only engines whose freeze set the thresholds count at shutdown.
+
+    The first engine is upstream's (overlay off when it was built); the second applies
+    engine_gc through the plugin. Shutting the first down (through our shutdown wrapper,
+    in force by then) must leave the second engine's thresholds alone.
+    """
+    monkeypatch, calls, vllm_config, executor = engine_env
+    before = _inproc_client(monkeypatch, vllm_config, executor, PRIME_R3="0")
+    assert gc.get_threshold() == (700, 10, 10)
+    counted = _inproc_client(monkeypatch, vllm_config, executor, **ENGINE_GC)
+    assert gc.get_threshold() == (50_000, 20, 100)
+    before.shutdown()
+    assert gc.get_threshold() == (50_000, 20, 100)
+    counted.shutdown()
+    assert gc.get_threshold() == (700, 10, 10)
+
+
 def test_shutdown_called_through_the_class_counts_that_engine(engine_env) -> None:  # noqa: ANN001
     """``EngineCore.shutdown(engine)`` works as upstream's function does and counts once."""
     from vllm.v1.engine.core import EngineCore

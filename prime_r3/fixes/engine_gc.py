@@ -17,12 +17,23 @@ An EngineCore can share the user's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
 same for the thresholds: when the last EngineCore of the process that set them shuts
 down, the thresholds in place before are restored (unless someone changed them since,
 which is then their choice to keep).
+
+"That set them" is tracked per engine object, as the upstream-form diff does with an
+attribute on the engine: the freeze wrapper finds the EngineCore whose ``__init__`` (an
+anchor of this patch, its only caller) is calling it, the nearest calling frame whose
+``self`` is an EngineCore (read, never written; held weakly). An engine built before
+the overlay was applied never froze through us, so its shutdown leaves our thresholds to
+the engines that did (counting calls instead let such an engine restore the defaults
+under a live one). An engine whose ``__init__`` fails after the freeze keeps the
+thresholds, as upstream keeps its frozen heap; a freeze from any other caller sets them
+until ``revert()``.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import sys
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -36,12 +47,16 @@ DEFAULT_THRESHOLDS = (50_000, 20, 100)
 
 # Per process: thresholds before we first changed them (restored on revert and when
 # the last EngineCore shuts down), the ones we set, whether the worker already got its
-# thresholds (set once per process), and how many EngineCores that set them are live.
+# thresholds (set once per process), the live EngineCores whose freeze set them (weak:
+# never kept alive by us), and freezes from callers we could not attribute to an engine.
 _saved_thresholds: tuple[int, int, int] | None = None
 _set_by_us: tuple[int, ...] | None = None
 _worker_done = False
-_live_engines = 0
-_engines_shut: weakref.WeakSet[Any] = weakref.WeakSet()
+_engines: weakref.WeakSet[Any] = weakref.WeakSet()
+_unattributed = 0
+#: How far up from the freeze wrapper EngineCore.__init__'s frame may be (it is the
+#: direct caller in every supported release).
+_MAX_FRAMES = 4
 
 
 def _set_thresholds(thresholds: tuple[int, ...], where: str) -> None:
@@ -53,14 +68,33 @@ def _set_thresholds(thresholds: tuple[int, ...], where: str) -> None:
     logger.debug("prime_r3 engine_gc: %s gc thresholds %s", where, thresholds)
 
 
+def _calling_engine(engine_class: type) -> Any:
+    """The EngineCore whose code is running the freeze (its ``__init__``), else None."""
+    frame = sys._getframe(2)  # our wrapper's caller's caller: wrapt adds no Python frame
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, engine_class):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
 def _engine_core(params: Mapping[str, Any]) -> WrapperFn:
+    from vllm.v1.engine.core import EngineCore  # imports vLLM: only when applying
+
     thresholds = params["thresholds"]
 
     def after_engine_freeze(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
-        global _live_engines
+        global _unattributed
         result = wrapped(*args, **kwargs)
+        engine = _calling_engine(EngineCore)
         _set_thresholds(thresholds, "EngineCore")
-        _live_engines += 1
+        if engine is not None:
+            _engines.add(engine)
+        else:
+            _unattributed += 1
         return result
 
     return after_engine_freeze
@@ -70,20 +104,19 @@ def _engine_core_shutdown(params: Mapping[str, Any]) -> WrapperFn:
     def restore_after_shutdown(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
         """Upstream's shutdown, then the thresholds back, as upstream unfreezes its heap.
 
-        Counted per EngineCore (a second shutdown of the same one counts once), so an
-        in-process engine still running keeps its thresholds when another one stops.
+        Only an engine whose freeze set them counts (once, however often it is shut
+        down); the thresholds go back when no such engine is left and no freeze we
+        could not attribute set them.
         """
-        global _live_engines
         # Called through the class (``EngineCore.shutdown(engine)``), wrapt passes no
         # instance: the engine is then the first argument, as for upstream's function.
         engine = args[0] if instance is None and args else instance
         try:
             return wrapped(*args, **kwargs)
         finally:
-            if _live_engines > 0 and engine is not None and engine not in _engines_shut:
-                _engines_shut.add(engine)
-                _live_engines -= 1
-                if _live_engines == 0:
+            if engine is not None and engine in _engines:
+                _engines.discard(engine)
+                if not _engines and not _unattributed:
                     _restore_thresholds()
 
     return restore_after_shutdown
@@ -118,14 +151,15 @@ def _api_server(params: Mapping[str, Any]) -> WrapperFn:
 
 def _restore_thresholds() -> None:
     """Put back the thresholds found before we set ours, unless someone changed them since."""
-    global _saved_thresholds, _set_by_us, _worker_done, _live_engines
+    global _saved_thresholds, _set_by_us, _worker_done, _unattributed
     if _saved_thresholds is not None and gc.get_threshold() == _set_by_us:
         gc.set_threshold(*_saved_thresholds)
         logger.debug("prime_r3 engine_gc: gc thresholds restored to %s", _saved_thresholds)
     _saved_thresholds = None
     _set_by_us = None
     _worker_done = False
-    _live_engines = 0
+    _engines.clear()
+    _unattributed = 0
 
 
 # Verified source fingerprints (scripts/fingerprint.py) for vLLM 0.31.0, 0.32.0, 0.33.0.

@@ -117,3 +117,27 @@ def test_the_trimmed_metadata_keeps_the_packed_reader_declaration(
     assert known == 2 and list(new.requests) == ["c"]
     assert reader_declared(new)
     connector.close()
+
+
+def test_worker_states_are_read_under_the_connector_lock(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """The output thread's process_output changes pending_outputs and tears states down
+    under ``_lock``: the known-request check reads them under it too, as upstream's loop
+    does, and releases it before upstream's begin_step takes it (a plain Lock)."""
+    _apply("batched_begin")
+    connector = harness.make_connector(harness.Shape(), reference=False)
+    connector.begin_step(AuxOutputConnectorMetadata(0, {"a": 0, "b": 0}, {}, ()))
+    held = []
+    trim = batched_begin._trim
+
+    def recording_trim(instance, metadata):  # noqa: ANN001, ANN202
+        held.append(instance._lock.locked())
+        return trim(instance, metadata)
+
+    reverted.setattr(batched_begin, "_trim", recording_trim)
+    connector.begin_step(AuxOutputConnectorMetadata(0, {"c": 5, "a": 0, "b": 0}, {}, ()))
+    assert held == [True]
+    assert not connector._lock.locked()
+    assert list(connector._requests) == ["a", "b", "c"]
+    connector.close()

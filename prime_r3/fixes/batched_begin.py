@@ -49,7 +49,13 @@ _emit_cursor = operator.attrgetter("emit_cursor")
 def _batched_begin(params: Mapping[str, Any]) -> WrapperFn:
     def batched_begin(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
         metadata = args[0] if args else kwargs.get("metadata")
-        trimmed = _trim(instance, metadata)
+        if instance is None:
+            return wrapped(*args, **kwargs)
+        # Read the worker's states as upstream does, under the connector lock (the
+        # output thread's process_output changes pending_outputs and tears states
+        # down under it); released before upstream's begin_step takes it again.
+        with instance._lock:
+            trimmed = _trim(instance, metadata)
         if trimmed is None:
             count = len(getattr(metadata, "requests", None) or ())
             COUNTERS.add(0, {"step": count} if count else {})
@@ -67,8 +73,7 @@ def _batched_begin(params: Mapping[str, Any]) -> WrapperFn:
 def _trim(connector: Any, metadata: Any) -> tuple[int, Any] | None:
     """(known requests checked here, metadata for upstream), or None for upstream whole."""
     if (
-        connector is None
-        or metadata is None
+        metadata is None
         or connector._buffer is None
         or type(metadata.requests) is not dict
         or metadata.generation != connector._generation

@@ -111,8 +111,10 @@ def test_either_apply_order_nests_in_registry_order(stack, order) -> None:  # no
     _assert_stacked(original)
 
 
-def test_apply_all_stacks_and_status_says_so(stack) -> None:  # noqa: ANN001
+def test_apply_all_stacks_and_status_says_so(stack, capsys) -> None:  # noqa: ANN001
     """Before: status said ``outer`` skipped once ``inner`` was in force."""
+    from prime_r3 import cli
+
     notes = {
         "inner": "Store.put stacked inside outer",
         "outer": "Store.put stacked outside inner",
@@ -121,6 +123,10 @@ def test_apply_all_stacks_and_status_says_so(stack) -> None:  # noqa: ANN001
     assert {o.name: (o.state, o.reason) for o in status.outcomes} == {
         n: (layer.WOULD_APPLY, note) for n, note in notes.items()
     }
+    assert cli.main(["status"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    line = next(ln for ln in lines if ln.strip().startswith("outer "))
+    assert line.endswith("would apply (Store.put stacked outside inner)"), line
     original = vars(fake_upstream.Store)["put"]
     assert layer.apply().applied == ["inner", "outer"]
     _assert_stacked(original)

@@ -264,18 +264,21 @@ def _in_force(spec: PatchSpec, installed: str) -> Outcome | None:
     waiting = state.pending_modules(spec.name)
     if waiting:
         return _outcome(spec, PENDING, _waiting_reason(waiting))
-    return _outcome(spec, installed, _stack_note(spec))
+    return _outcome(spec, installed, _stack_note(spec, live=True))
 
 
-def _stack_note(spec: PatchSpec) -> str:
-    """Which registry patches share a target with ``spec``, and on which side of it
-    their wrappers go ("" if none): the nesting follows from the registry alone."""
+def _stack_note(spec: PatchSpec, live: bool = False) -> str:
+    """Which registry patches share a target with ``spec`` (``live``: whose wrapper is
+    installed there now), and on which side of it their wrappers go ("" if none): the
+    nesting follows from the registry alone."""
     notes = []
     for target in spec.targets:
         others = [
             s.name
             for s in registry()
-            if s.name != spec.name and any(t.key == target.key for t in s.targets)
+            if s.name != spec.name
+            and any(t.key == target.key for t in s.targets)
+            and (not live or target.key in (state.active_wrappers(s.name) or {}))
         ]
         if not others:
             continue

@@ -145,6 +145,7 @@ def test_reverting_one_leaves_the_other_exact(stack, first: str) -> None:  # noq
     assert layer.revert([first]).outcome(first).state == layer.REVERTED
     assert layer.revert([first]).outcome(first).state == layer.NOT_ACTIVE  # idempotent
     remaining = "outer" if first == "inner" else "inner"
+    assert layer.status().outcome(remaining).reason == ""  # alone on Store.put now
     wrapper, bottom = _chain()
     assert bottom is original
     assert state.active_wrappers(remaining) == {PUT: wrapper}

@@ -38,9 +38,10 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     print(f"prime_r3 on vllm {report.vllm_version}")
     for o in report.outcomes:
+        stacked = f" ({o.reason})" if o.reason else ""  # shares a target with another patch
         state = {
-            layer.WOULD_APPLY: "would apply",
-            layer.APPLIED: "applied",
+            layer.WOULD_APPLY: f"would apply{stacked}",
+            layer.APPLIED: f"applied{stacked}",
             layer.PENDING: f"applied to imported modules; {o.reason}",
             layer.SKIPPED: f"skipped: {o.reason}",
             layer.DISABLED: f"disabled by env: {o.reason}",

@@ -96,9 +96,19 @@ def check_source(target: Target | Anchor, resolved: Resolved) -> str | None:
     if reason is not None:
         return reason
     # prime_r3's own wrappers are transparent for anchors (store_growth anchors the
-    # class whose _evict_to_fit store_eviction wraps), never for targets: a target
-    # already wrapped by us is handled as "in force" by the layer, not stacked on.
-    why = not_plain(resolved.raw, definition, ours_ok=isinstance(target, Anchor))
+    # class whose _evict_to_fit store_eviction wraps). A target may carry other
+    # patches' wrappers (the layer stacks on them), but only as an unbroken chain of
+    # ours around upstream's object: the layer rebuilds the wrappers outside the one it
+    # inserts or removes, which it cannot do through another layer's.
+    obj = resolved.raw
+    why = None
+    if isinstance(target, Target):
+        obj = state.unwrap_ours(obj)
+        if obj is None:
+            names = ", ".join(state.wrapped_by(resolved.raw))
+            why = f"a layer that is not prime_r3's sits under the wrappers of {names}"
+    if why is None:
+        why = not_plain(obj, definition, ours_ok=isinstance(target, Anchor))
     if why is not None:
         return (
             f"{kind} {target.key} is not upstream's plain object, so another layer replaced "

@@ -1,8 +1,14 @@
 """Apply, revert and inspect the overlay: the only overlay code that writes to vLLM's modules.
 
 Every target is replaced by a ``wrapt.FunctionWrapper`` around the original, so
-``__wrapped__`` always holds the upstream object. A patch with several targets is
-applied all-or-nothing: if any step fails, the targets already replaced are restored.
+following ``__wrapped__`` always leads to the upstream object. A patch with several
+targets is applied all-or-nothing: if any step fails, the targets already replaced are
+restored.
+
+Several patches may wrap one target. Their wrappers then nest in registry order (the
+earlier patch innermost) whatever order they were applied in, so the calls run in the
+same order in every process; applying or reverting one rebuilds only the wrappers
+outside its own. Nothing in a ``PatchSpec`` declares this: sharing a target is enough.
 
 Targets in modules this process has not imported yet are not imported by us (that
 would cost seconds and, for ``vllm.v1.worker.gpu_worker``, start helper processes in
@@ -147,8 +153,10 @@ def apply(
 def revert(names: Iterable[str] | None = None) -> Report:
     """Remove prime_r3's wrappers, restoring the exact original objects.
 
-    A target that another layer has since wrapped again is left in place (removing
-    it would drop that layer too); its patch stays active and is reported as kept.
+    Reverting one of several patches on a target removes just its wrapper; the others
+    stay in force around upstream's object. A target that another layer has since
+    wrapped again is left in place (removing it would drop that layer too); its patch
+    stays active and is reported as kept.
     """
     specs = registry()
     wanted = set(_known(names, specs)) if names is not None else {s.name for s in specs}
@@ -182,7 +190,9 @@ def status(environ: Mapping[str, str] | None = None) -> Report:
         else:
             reason = _check(spec, version)
             outcomes.append(
-                _outcome(spec, SKIPPED, reason) if reason else _outcome(spec, WOULD_APPLY)
+                _outcome(spec, SKIPPED, reason)
+                if reason
+                else _outcome(spec, WOULD_APPLY, _stack_note(spec))
             )
     return Report(version, tuple(outcomes))
 
@@ -254,7 +264,35 @@ def _in_force(spec: PatchSpec, installed: str) -> Outcome | None:
     waiting = state.pending_modules(spec.name)
     if waiting:
         return _outcome(spec, PENDING, _waiting_reason(waiting))
-    return _outcome(spec, installed)
+    return _outcome(spec, installed, _stack_note(spec, live=True))
+
+
+def _stack_note(spec: PatchSpec, live: bool = False) -> str:
+    """Which registry patches share a target with ``spec`` (``live``: whose wrapper is
+    installed there now), and on which side of it their wrappers go ("" if none): the
+    nesting follows from the registry alone."""
+    notes = []
+    for target in spec.targets:
+        others = [
+            s.name
+            for s in registry()
+            if s.name != spec.name
+            and any(t.key == target.key for t in s.targets)
+            and (not live or target.key in (state.active_wrappers(s.name) or {}))
+        ]
+        if not others:
+            continue
+        rank = _rank(spec.name)
+        sides = [
+            f"{side} {', '.join(names)}"
+            for side, names in (
+                ("outside", [n for n in others if _rank(n) < rank]),
+                ("inside", [n for n in others if _rank(n) > rank]),
+            )
+            if names
+        ]
+        notes.append(f"{target.attr} stacked {' and '.join(sides)}")
+    return "; ".join(notes)
 
 
 def _waiting_reason(modules: Iterable[str] | None) -> str:
@@ -356,42 +394,120 @@ def _unit_items(
 def _install_units(
     spec: PatchSpec, modules: Sequence[str], params: Mapping[str, Any]
 ) -> str | None:
-    """Replace every target in ``modules`` or none (guarded by the caller); return a
-    reason on failure."""
+    """Wrap every target in ``modules`` or none (guarded by the caller); return a
+    reason on failure.
+
+    Every new chain is built before any is installed, and the records (ours and those
+    of other patches whose wrappers were rebuilt outside ours) are written only once
+    all are in place, so a failure puts back exactly the objects that were there.
+    """
     targets = [t for t in spec.targets if t.module in modules]
+    planned: list[_Stack] = []
     done: list[tuple[Any, str, Any]] = []
-    wrappers: dict[str, Any] = {}
     try:
         for target in targets:
             resolved = guards.resolve(target)
             if isinstance(resolved, str):
                 raise LookupError(resolved)
-            original = resolved.raw
-            wrapper = wrapt.FunctionWrapper(original, target.make_wrapper(params))
-            setattr(resolved.owner, resolved.name, wrapper)
-            done.append((resolved.owner, resolved.name, original))
-            state.save_original(target.key, original)
-            wrappers[target.key] = wrapper
+            planned.append(_insert(spec.name, target, resolved, target.make_wrapper(params)))
+        for plan in planned:
+            setattr(plan.resolved.owner, plan.resolved.name, plan.top)
+            done.append((plan.resolved.owner, plan.resolved.name, plan.resolved.raw))
     except Exception as error:  # noqa: BLE001 - roll back whatever happened
-        for owner, name, original in reversed(done):
-            setattr(owner, name, original)
+        for owner, name, previous in reversed(done):
+            setattr(owner, name, previous)
         logger.warning("prime_r3: %s rolled back: %s", spec.name, error)
         return f"apply failed and was rolled back: {type(error).__name__}: {error}"
-    state.add_wrappers(spec.name, wrappers)
+    wrappers, functions = {}, {}
+    for plan in planned:
+        state.save_original(plan.key, plan.original)
+        wrappers[plan.key] = plan.rebuilt.pop(spec.name)
+        functions[plan.key] = plan.function
+        for other, wrapper in plan.rebuilt.items():
+            state.replace_wrapper(other, plan.key, wrapper)
+    state.add_wrappers(spec.name, wrappers, functions)
     return None
 
 
+@dataclass
+class _Stack:
+    """One target's new chain, built before anything is installed."""
+
+    key: str
+    resolved: guards.Resolved
+    #: The object to install: the whole chain, outermost wrapper.
+    top: Any
+    #: The wrappers built for it, by patch (the new one, and those rebuilt outside it).
+    rebuilt: dict[str, Any]
+    #: Upstream's object under every wrapper.
+    original: Any
+    #: The new patch's wrapper function (kept to rebuild its wrapper later).
+    function: Any
+
+
+def _rank(name: str) -> int:
+    """A patch's place in a stack on one target: registry order, the first innermost.
+
+    A fixed order (not the order of apply calls) makes the nesting, and so the call
+    order, the same in every process, whichever patches came and went before.
+    """
+    names = [s.name for s in registry()]
+    return names.index(name) if name in names else len(names)
+
+
+def _insert(name: str, target: Target, resolved: guards.Resolved, function: Any) -> _Stack:
+    """``name``'s wrapper put in its registry place among the patches already wrapping
+    the target's current object.
+
+    Wrappers inside the new one are kept as they are; those outside it are rebuilt
+    around it from their patches' wrapper functions. The guards only let a target
+    through whose current object is upstream's or our unbroken chain around it.
+    """
+    found, original = state.layers(resolved.raw)
+    if found and state.unwrap_ours(resolved.raw) is None:
+        raise LookupError(f"{target.key}: a layer that is not prime_r3's is under our wrappers")
+    rank = _rank(name)
+    outside = 0
+    while outside < len(found) and _rank(found[outside][0]) > rank:
+        outside += 1
+    inner = found[outside][1] if outside < len(found) else original
+    wrapper = wrapt.FunctionWrapper(inner, function)
+    top, rebuilt = _rewrap(wrapper, found[:outside], target.key)
+    return _Stack(target.key, resolved, top, {name: wrapper, **rebuilt}, original, function)
+
+
+def _rewrap(inner: Any, outside: Sequence[tuple[str, Any]], key: str) -> tuple[Any, dict[str, Any]]:
+    """Wrap ``inner`` again in the patches of ``outside`` (outermost first, as found),
+    each with the wrapper function it installed; the new top and wrappers by patch."""
+    rebuilt = {}
+    for other, _ in reversed(outside):
+        inner = rebuilt[other] = wrapt.FunctionWrapper(inner, state.wrapper_function(other, key))
+    return inner, rebuilt
+
+
 def _uninstall(spec: PatchSpec, wrappers: Mapping[str, Any]) -> str | None:
+    """Remove exactly ``spec``'s wrappers, every target or none; the reason if kept.
+
+    Other patches' wrappers outside ours are rebuilt around what ours wrapped (their
+    wrapper functions unchanged), those inside are untouched: the rest of the stack
+    stays in force, in registry order. Our wrapper must be reachable from the live
+    object through our own wrappers only; a foreign layer above it would be dropped
+    by the rebuild, so the patch is then left in place.
+    """
     by_key = {t.key: t for t in spec.targets}
-    located = []
+    planned = []
     for key, wrapper in wrappers.items():
         resolved = guards.resolve(by_key[key])
-        current = None if isinstance(resolved, str) else resolved.raw
-        if current is not wrapper:
+        found, _ = state.layers(None if isinstance(resolved, str) else resolved.raw)
+        position = next((i for i, (_, w) in enumerate(found) if w is wrapper), None)
+        if isinstance(resolved, str) or position is None:
             return f"{key} was re-wrapped by another layer; prime_r3's layer left in place"
-        located.append((resolved, key))
-    for resolved, key in located:
-        setattr(resolved.owner, resolved.name, state.get_original(*key.split(":", 1)))
+        top, rebuilt = _rewrap(wrapper.__wrapped__, found[:position], key)
+        planned.append((resolved, key, top, rebuilt))
+    for resolved, key, top, rebuilt in planned:
+        setattr(resolved.owner, resolved.name, top)
+        for other, new in rebuilt.items():
+            state.replace_wrapper(other, key, new)
     if spec.on_revert is not None:
         spec.on_revert()
     state.forget(spec.name)

@@ -1,10 +1,16 @@
 """Process-wide record of what prime_r3 replaced, kept here and never on vLLM's modules.
 
 Originals are saved when a target is wrapped, and the guards only ever let prime_r3
-wrap the plain upstream object (never its own wrapper, never another layer's), so a
-saved original is always upstream's: ``revert`` restores it by identity, however
-often apply and revert alternate. Saving at each install (not first-write-wins) keeps
-that true when a module is reloaded and its functions are new objects.
+wrap upstream's plain object, possibly under a chain of its own wrappers (never another
+layer's), so a saved original is always upstream's: ``revert`` restores it by identity,
+however often apply and revert alternate. Saving at each install (not
+first-write-wins) keeps that true when a module is reloaded and its functions are new
+objects.
+
+Several patches may wrap one target: the live object is then a chain of our wrappers,
+each recorded here under its patch, around upstream's object. Each patch's wrapper
+function is kept too, so the layer can rebuild the wrappers outside one it removes
+or inserts without building the patch's wrapper again.
 """
 
 from __future__ import annotations
@@ -17,8 +23,13 @@ _lock = threading.RLock()
 _originals: dict[str, Any] = {}
 #: patch name -> {"module:attr": the wrapper prime_r3 installed}.
 _active: dict[str, dict[str, Any]] = {}
+#: patch name -> {"module:attr": the wrapt wrapper function inside that wrapper}.
+_functions: dict[str, dict[str, Any]] = {}
 #: patch name -> (token, modules whose import will install the rest of the patch).
 _pending: dict[str, tuple[object, set[str]]] = {}
+
+#: A ``__wrapped__`` chain longer than this is a cycle, not a stack of patches.
+_MAX_LAYERS = 64
 
 
 def lock() -> threading.RLock:
@@ -35,8 +46,20 @@ def get_original(module: str, attr: str) -> Any:
     return _originals[f"{module}:{attr}"]
 
 
-def add_wrappers(name: str, wrappers: dict[str, Any]) -> None:
+def add_wrappers(name: str, wrappers: dict[str, Any], functions: dict[str, Any]) -> None:
+    """Record the wrappers ``name`` installed and the wrapper functions inside them."""
     _active.setdefault(name, {}).update(wrappers)
+    _functions.setdefault(name, {}).update(functions)
+
+
+def replace_wrapper(name: str, key: str, wrapper: Any) -> None:
+    """``name``'s wrapper at ``key`` was rebuilt (a patch under it came or went)."""
+    _active[name][key] = wrapper
+
+
+def wrapper_function(name: str, key: str) -> Any:
+    """The wrapper function ``name`` installed at ``key``, to wrap it again unchanged."""
+    return _functions[name][key]
 
 
 def active_wrappers(name: str) -> dict[str, Any] | None:
@@ -66,9 +89,54 @@ def clear_pending(name: str) -> None:
 def forget(name: str) -> None:
     """Drop every record of ``name``: a stale import hook then finds nothing to do."""
     _active.pop(name, None)
+    _functions.pop(name, None)
     _pending.pop(name, None)
 
 
+def _owner(obj: Any) -> str | None:
+    """The patch whose installed wrapper ``obj`` is (None if it is not one of ours)."""
+    for name, wrappers in _active.items():
+        for wrapper in wrappers.values():
+            if obj is wrapper:
+                return name
+    return None
+
+
 def is_object_patched(obj: Any) -> bool:
-    """True if ``obj`` is a wrapper prime_r3 currently has installed."""
-    return any(obj is w for wrappers in _active.values() for w in wrappers.values())
+    """True if ``obj`` is a wrapper prime_r3 currently has installed (any layer of a stack)."""
+    return _owner(obj) is not None
+
+
+def layers(obj: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """Our wrappers from ``obj`` inwards, outermost first, as (patch, wrapper), and the
+    object under the last of them (``obj`` itself if it is not ours).
+
+    The walk stops at the first object that is not one of our installed wrappers: what
+    lies under a foreign layer is not ours to rebuild.
+    """
+    found: list[tuple[str, Any]] = []
+    while len(found) < _MAX_LAYERS and (name := _owner(obj)) is not None:
+        found.append((name, obj))
+        obj = obj.__wrapped__
+    return found, obj
+
+
+def wrapped_by(obj: Any) -> tuple[str, ...]:
+    """The patches whose wrappers ``obj`` is made of, outermost first, down to the first
+    object that is not ours (empty if ``obj`` is not ours)."""
+    return tuple(name for name, _ in layers(obj)[0])
+
+
+def unwrap_ours(obj: Any) -> Any | None:
+    """Upstream's object under our wrappers at ``obj`` (``obj`` if it is not ours); None
+    if our wrappers end in anything but a saved upstream original, i.e. a foreign layer
+    sits between them.
+
+    For checks of "is this upstream's function, possibly patched by us": compare the
+    result with upstream's object by identity. It looks at one attribute's raw object
+    (``inspect.getattr_static``), not at a bound method.
+    """
+    found, inner = layers(obj)
+    if found and not any(inner is original for original in _originals.values()):
+        return None
+    return inner

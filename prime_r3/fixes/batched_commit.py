@@ -147,7 +147,8 @@ def _packing_in_force(connector: Any) -> bool:
     """
     from prime_r3.packed import reader_declared
 
-    return prime_state.is_object_patched(
+    # packed_outputs' wrapper among ours on process_output (another patch may stack there).
+    return "packed_outputs" in prime_state.wrapped_by(
         inspect.getattr_static(type(connector), "process_output", None)
     ) and reader_declared(getattr(connector, "_step_metadata", None))
 

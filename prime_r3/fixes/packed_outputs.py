@@ -44,9 +44,11 @@ it is gone in 0.33; it was checked by hand in 0.31 and 0.32, and a test runs it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from prime_r3 import state as prime_state
 from prime_r3.fixes.aux_output import (
     AUX_REQUEST_OUTPUT,
     BEGIN_STEP,
@@ -88,17 +90,30 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
 
     from prime_r3.packed import FORMAT_VERSION, READS_MARK
 
-    # The consumer the packed form was verified against (an anchor, guarded at apply).
-    upstream_take_output = AuxOutputSchedulerConnector.__dict__["take_output"]
+    # The consumer the packed form was verified against (an anchor, guarded at apply;
+    # another prime_r3 patch may wrap it, e.g. batched R3's take_output).
+    upstream_take_output = prime_state.unwrap_ours(
+        AuxOutputSchedulerConnector.__dict__["take_output"]
+    )
+
+    def reads_like_upstream(instance: Any) -> bool:
+        """Whether the live connector's consumer is upstream's take_output, bare or
+        under prime_r3's own wrappers: a registry patch that wraps it stacks on this
+        declaration, so it must read a PackedAuxOutputs as the dict it is."""
+        if "take_output" in getattr(instance, "__dict__", ()):
+            return False
+        cls = type(instance)
+        if cls.take_output is upstream_take_output:  # unwrapped: no class lookup needed
+            return True
+        found = prime_state.unwrap_ours(inspect.getattr_static(cls, "take_output", None))
+        return found is not None and found is upstream_take_output
 
     def declare_packed_reader(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
         metadata = wrapped(*args, **kwargs)
-        # Declare only while the live connector's consumer is upstream's plain
-        # function: a subclass or instance that overrides take_output may not read
-        # a PackedAuxOutputs as the dict it is, so its workers keep sending dicts.
-        if type(instance).take_output is upstream_take_output and "take_output" not in getattr(
-            instance, "__dict__", ()
-        ):
+        # Declare only while the live connector's consumer is upstream's function: a
+        # subclass or instance that overrides take_output may not read a
+        # PackedAuxOutputs as the dict it is, so its workers keep sending dicts.
+        if reads_like_upstream(instance):
             try:
                 setattr(metadata, READS_MARK, FORMAT_VERSION)  # a plain int: any worker reads it
             except AttributeError:

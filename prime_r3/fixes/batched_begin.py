@@ -23,7 +23,6 @@ running and finished, or a settled request whose emit start is ahead of its curs
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,9 +40,6 @@ from prime_r3.spec import Anchor, PatchSpec, Process, Target, WrapperFn
 #: ``fast_requests``: known requests checked at once; ``fallback_requests``: requests
 #: upstream's loop handled (new ones: reason ``new``; whole metadata: ``step``).
 COUNTERS = Counters()
-
-_pending_outputs = operator.attrgetter("pending_outputs")
-_emit_cursor = operator.attrgetter("emit_cursor")
 
 
 def _batched_begin(params: Mapping[str, Any]) -> WrapperFn:
@@ -83,10 +79,12 @@ def _trim(connector: Any, metadata: Any) -> tuple[int, Any] | None:
     k = len(known_ids)
     if k:
         known = list(map(states.__getitem__, known_ids))
-        settled = np.fromiter(map(_pending_outputs, known), np.int64, k) == 0
+        # Comprehensions, not attrgetter maps: CPython 3.11's specialised attribute
+        # reads are about twice as fast (see batched_commit._select).
+        settled = np.fromiter([state.pending_outputs for state in known], np.int64, k) == 0
         if settled.any():
             emit = np.fromiter(map(scheduled.__getitem__, known_ids), np.int64, k)
-            cursor = np.fromiter(map(_emit_cursor, known), np.int64, k)
+            cursor = np.fromiter([state.emit_cursor for state in known], np.int64, k)
             if bool((settled & (emit > cursor)).any()):
                 return None  # upstream's assertion, with upstream's effects before it
     new_requests = {r: e for r, e in scheduled.items() if r in unknown} if unknown else {}

@@ -510,7 +510,7 @@ def _packed(
         ):
             if cut > previous:
                 chunk = fast[previous:cut]
-                out_ids.extend(ids[j] for j in chunk)
+                out_ids.extend(_pick(ids, chunk))
                 starts_list.extend(token_starts[chunk].tolist())
                 pieces.append(rows.take(fast_rows[previous:cut], axis=0))
                 lengths.extend([1] * len(chunk))

@@ -141,3 +141,26 @@ def test_worker_states_are_read_under_the_connector_lock(
     assert not connector._lock.locked()
     assert list(connector._requests) == ["a", "b", "c"]
     connector.close()
+
+
+def test_in_flight_emit_ahead_stays_fast(reverted: pytest.MonkeyPatch) -> None:
+    """Upstream checks only settled requests: with a step in flight the scheduler's
+    optimistic emit start may be ahead of the worker's cursor. Such a request is
+    checked here (not handed to upstream whole), mixed with a settled one that is not
+    ahead; the states end as upstream's."""
+    _apply("batched_begin")
+    batched_begin.COUNTERS.reset()
+    ends = {}
+    for reference in (True, False):
+        connector = harness.make_connector(harness.Shape(), reference)
+        connector.begin_step(AuxOutputConnectorMetadata(0, {"a": 0, "b": 3}, {}, ()))
+        connector._requests["a"].pending_outputs = 1  # a step in flight covers "a"
+        connector.begin_step(AuxOutputConnectorMetadata(0, {"a": 7, "b": 3}, {}, ()))
+        ends[reference] = {r: vars(s) for r, s in connector._requests.items()}
+        connector._requests["a"].pending_outputs = 0
+        connector.close()
+    assert ends[True] == ends[False]
+    counts = batched_begin.COUNTERS.snapshot()
+    # First metadata: both new (upstream's loop); second: both checked here.
+    assert counts["fallback_reasons"] == {"new": 2}, counts
+    assert counts["fast_requests"] == 2, counts

@@ -7,7 +7,8 @@ checks ``emit_start <= state.emit_cursor`` for settled requests. At 400-2000 run
 requests that is most of the step's begin_step cost.
 
 We wrap ``begin_step``. For the requests the worker already knows, the settled check is
-done at once (array of ``pending_outputs`` and ``emit_cursor`` against the emit starts);
+done at once (upstream's ``emit_start <= emit_cursor`` over all of them in one C-level
+pass; ``pending_outputs`` is read only if that fails somewhere);
 upstream's ``begin_step`` then runs on a copy of the metadata whose ``requests`` holds
 only the requests it does not know yet, in the scheduler's order, so everything else
 (new states, block hashes, retained/released keys on 0.33, terminal events, teardown,
@@ -27,8 +28,6 @@ import operator
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from prime_r3.fixes.aux_output import (
     BEGIN_STEP,
     WORKER_REQUEST_STATE,
@@ -41,9 +40,6 @@ from prime_r3.spec import Anchor, PatchSpec, Process, Target, WrapperFn
 #: ``fast_requests``: known requests checked at once; ``fallback_requests``: requests
 #: upstream's loop handled (new ones: reason ``new``; whole metadata: ``step``).
 COUNTERS = Counters()
-
-_pending_outputs = operator.attrgetter("pending_outputs")
-_emit_cursor = operator.attrgetter("emit_cursor")
 
 
 def _batched_begin(params: Mapping[str, Any]) -> WrapperFn:
@@ -88,12 +84,19 @@ def _trim(connector: Any, metadata: Any) -> tuple[int, Any] | None:
     k = len(known_ids)
     if k:
         known = list(map(states.__getitem__, known_ids))
-        settled = np.fromiter(map(_pending_outputs, known), np.int64, k) == 0
-        if settled.any():
-            emit = np.fromiter(map(scheduled.__getitem__, known_ids), np.int64, k)
-            cursor = np.fromiter(map(_emit_cursor, known), np.int64, k)
-            if bool((settled & (emit > cursor)).any()):
-                return None  # upstream's assertion, with upstream's effects before it
+        emits = list(scheduled.values()) if not unknown else [scheduled[r] for r in known_ids]
+        # Upstream's predicate (emit_start <= emit_cursor) on Python values, in one C
+        # pass; only when it fails somewhere does it matter whether a step is in flight.
+        # Comprehensions, not attrgetter maps: CPython 3.11's specialised attribute reads
+        # are about twice as fast (see batched_commit._select).
+        cursors = [state.emit_cursor for state in known]
+        if not all(map(operator.le, emits, cursors)) and any(
+            [
+                state.pending_outputs == 0 and not emit <= cursor
+                for state, emit, cursor in zip(known, emits, cursors, strict=True)
+            ]
+        ):
+            return None  # upstream's assertion, with upstream's effects before it
     new_requests = {r: e for r, e in scheduled.items() if r in unknown} if unknown else {}
     trimmed = dataclasses.replace(metadata, requests=new_requests)
     # Attributes beyond the dataclass fields (packed_outputs' reader declaration, which

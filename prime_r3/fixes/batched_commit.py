@@ -56,7 +56,7 @@ import inspect
 import logging
 import operator
 import threading
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from itertools import repeat
 from typing import Any
@@ -278,12 +278,6 @@ class _Missing:
 
 
 _MISSING = _Missing()
-_capture_cursor = operator.attrgetter("capture_cursor")
-_emit_cursor = operator.attrgetter("emit_cursor")
-_pending_blocks = operator.attrgetter("pending_blocks")
-_block_start = operator.attrgetter("block_start")
-_length = operator.attrgetter("length")
-_slot = operator.attrgetter("slot")
 
 
 def _pick(items: Any, index: list[int]) -> list[Any]:
@@ -305,7 +299,10 @@ def _select(
     Returns (fast positions, fallback positions among the decode candidates, buffer
     slots, positions in the slot, ``(state, completed)`` pairs to publish), or None
     when no request is fast (nothing was touched: the step goes to upstream whole).
-    Every per-request read and write is a C-level ``map`` over upstream's objects.
+    Per-request attribute reads and writes are plain comprehensions and loops, not
+    ``map(operator.attrgetter(...))`` / ``map(setattr, ...)``: CPython 3.11 specialises
+    attribute access in bytecode, and measured at 400 states a comprehension read takes
+    ~8 us against ~17 us for the attrgetter map (writes: ~9 us against ~20 us).
     """
     candidates = np.flatnonzero(decode)
     m = len(candidates)
@@ -320,11 +317,11 @@ def _select(
     starts = token_starts[candidates].astype(np.int64)
     starts_list = starts.tolist()
     states = list(map(connector._requests.get, cand_ids, repeat(_MISSING, m)))
-    captures = list(map(_capture_cursor, states))
-    emits = list(map(_emit_cursor, states))
+    captures = [state.capture_cursor for state in states]
+    emits = [state.emit_cursor for state in states]
     tail_list = list(map(tails.get, cand_ids, repeat(_MISSING, m)))
-    block_starts = np.fromiter(map(_block_start, tail_list), np.int64, m)
-    lengths = np.fromiter(map(_length, tail_list), np.int64, m)
+    block_starts = np.fromiter([tail.block_start for tail in tail_list], np.int64, m)
+    lengths = np.fromiter([tail.length for tail in tail_list], np.int64, m)
     has_tail = block_starts != _MISSING.block_start
     ok_tail = np.where(has_tail, block_starts + lengths == starts, starts % block_size == 0)
     if captures == starts_list and emits == starts_list:
@@ -363,15 +360,19 @@ def _select(
         fallback = candidates[~ok].tolist()
         fast_starts, fast_lengths = starts[keep], lengths[keep]
     k = len(fast)
-    slots = np.fromiter(map(_slot, fast_tails), np.int64, k)
+    slots = np.fromiter([tail.slot for tail in fast_tails], np.int64, k)
     cursors = (fast_starts + 1).tolist()
     new_lengths = fast_lengths + 1
     # capture(): the tail grows by one row; _commit_output: all three cursors advance.
-    deque(map(setattr, fast_tails, repeat("length", k), new_lengths.tolist()), maxlen=0)
-    for name in ("capture_cursor", "scheduled_cursor", "emit_cursor"):
-        deque(map(setattr, fast_states, repeat(name, k), cursors), maxlen=0)
+    for tail, length in zip(fast_tails, new_lengths.tolist(), strict=True):
+        tail.length = length
+    for state, cursor in zip(fast_states, cursors, strict=True):
+        state.capture_cursor = state.scheduled_cursor = state.emit_cursor = cursor
     complete = new_lengths == block_size
-    waiting = np.fromiter(map(bool, map(_pending_blocks, fast_states)), bool, k)
+    if any([state.pending_blocks for state in fast_states]):
+        waiting = np.array([bool(state.pending_blocks) for state in fast_states], dtype=bool)
+    else:
+        waiting = np.zeros(k, dtype=bool)
     published = []
     published_at: list[int] = []
     if complete.any() or waiting.any():
@@ -510,7 +511,7 @@ def _packed(
         ):
             if cut > previous:
                 chunk = fast[previous:cut]
-                out_ids.extend(ids[j] for j in chunk)
+                out_ids.extend(_pick(ids, chunk))
                 starts_list.extend(token_starts[chunk].tolist())
                 pieces.append(rows.take(fast_rows[previous:cut], axis=0))
                 lengths.extend([1] * len(chunk))

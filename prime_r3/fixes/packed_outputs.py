@@ -15,7 +15,8 @@ possibly on another node with another prime_r3 (or none). EngineCore's
 ``build_connector_meta`` wrapper marks each step's ``AuxOutputConnectorMetadata``
 (sent to workers inside ``SchedulerOutput``) with ``READS_MARK = FORMAT_VERSION``, a
 plain int attribute, and only while the live scheduler connector's ``take_output`` is
-upstream's plain function (not a subclass's or an instance's override). The worker
+upstream's plain function or ``batched_take``'s wrapper of exactly that function (not a
+subclass's or an instance's override, nor another layer's wrapper). The worker
 packs only when the metadata of its current step (what ``begin_step`` stored) carries
 the version it writes; otherwise the step goes as upstream's dict. So an EngineCore
 where this patch did not apply (changed anchor, ``PRIME_R3=0``, other
@@ -44,9 +45,11 @@ it is gone in 0.33; it was checked by hand in 0.31 and 0.32, and a test runs it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from prime_r3 import state as prime_state
 from prime_r3.fixes.aux_output import (
     AUX_REQUEST_OUTPUT,
     BEGIN_STEP,
@@ -88,17 +91,30 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
 
     from prime_r3.packed import FORMAT_VERSION, READS_MARK
 
-    # The consumer the packed form was verified against (an anchor, guarded at apply).
+    # The consumer the packed form was verified against (an anchor, guarded at apply;
+    # prime_r3's own wrapper counts as plain for anchors, so unwrap ours if present).
     upstream_take_output = AuxOutputSchedulerConnector.__dict__["take_output"]
+    if prime_state.is_object_patched(upstream_take_output):
+        upstream_take_output = upstream_take_output.__wrapped__
+
+    def reads_packed(consumer: Any) -> bool:
+        """Upstream's take_output, or batched_take's wrapper of exactly it (a reader of
+        the packed form by construction); anything else (an override, another layer's
+        wrapper, even with functools.wraps) is not."""
+        return consumer is upstream_take_output or (
+            prime_state.is_object_patched(consumer)
+            and getattr(consumer, "__wrapped__", None) is upstream_take_output
+        )
 
     def declare_packed_reader(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
         metadata = wrapped(*args, **kwargs)
         # Declare only while the live connector's consumer is upstream's plain
-        # function: a subclass or instance that overrides take_output may not read
-        # a PackedAuxOutputs as the dict it is, so its workers keep sending dicts.
-        if type(instance).take_output is upstream_take_output and "take_output" not in getattr(
-            instance, "__dict__", ()
-        ):
+        # function (or our batched_take around it): a subclass or instance that
+        # overrides take_output may not read a PackedAuxOutputs as the dict it is,
+        # so its workers keep sending dicts.
+        if reads_packed(
+            inspect.getattr_static(type(instance), "take_output", None)
+        ) and "take_output" not in getattr(instance, "__dict__", ()):
             try:
                 setattr(metadata, READS_MARK, FORMAT_VERSION)  # a plain int: any worker reads it
             except AttributeError:

@@ -45,8 +45,10 @@ import copy
 import logging
 import operator
 import pickle
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -230,25 +232,24 @@ class PackedAuxOutputs(dict[str, AuxRequestOutput]):
         owns its memory, so a kept row chunk pins that request's rows only (as with
         upstream's per-request arrays), and the step's buffer is dropped here.
         ``AuxRequestOutput`` is a plain dataclass (an anchor of the patch): setting its
-        two fields directly is what its ``__init__`` does, at a third of the cost.
+        two fields directly is what its ``__init__`` does; the objects are made and
+        their fields set by C-level ``map``s (no Python loop per request).
         """
         packed = self._packed
         assert packed is not None
         ids, _, starts, offsets, rows = packed
         n = len(ids)
+        if len(starts) != n or len(offsets) != n + 1:
+            raise ValueError(f"packed step: {n} ids, {len(starts)} starts, {len(offsets)} offsets")
         if int(offsets[-1]) == n and bool((offsets[1:] - offsets[:-1] == 1).all()):
             # Decode step, one row each: numpy's iteration makes the views in C.
             views: Any = rows.reshape((n, 1, *rows.shape[1:]))
         else:
             bounds = offsets.tolist()
             views = map(rows.__getitem__, map(slice, bounds, bounds[1:]))
-        values = []
-        append = values.append
-        for token_start, owned in zip(starts.tolist(), map(_copy, views), strict=True):
-            item = _new(AuxRequestOutput)
-            item.token_start = token_start
-            item.rows = owned
-            append(item)
+        values = list(map(_new, repeat(AuxRequestOutput, n)))
+        deque(map(setattr, values, repeat("token_start"), starts.tolist()), maxlen=0)
+        deque(map(setattr, values, repeat("rows"), map(_copy, views)), maxlen=0)
         dict.update(self, zip(ids, values, strict=True))
         self._packed = None
         self._index = None

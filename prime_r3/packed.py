@@ -20,15 +20,18 @@ What every consumer sees is upstream's dict (see ``README.md``, ``packed_outputs
   upstream's unpickling makes one array per request). A row chunk kept by the
   frontend (``OutputProcessor`` keeps every chunk until the request finishes) pins
   that request's rows only, never the step: an in-process frontend keeps no more
-  alive than upstream does.
+  alive than upstream does. Where ``batched_take`` wraps the scheduler's
+  ``take_output``, the step stays *unfilled* instead (its rows in one array of
+  memory nobody else writes): ``take_output`` copies each request's rows out by one
+  slice, and any other dict read fills it first (see ``_Unfilled``).
 * Generic consumers (msgspec / vLLM's ``MsgpackEncoder``, ``dataclasses.asdict``,
   ``copy``, ``deepcopy``, ``==``, ``pop``/``del``/``update``) act on the dict's
   content exactly as on upstream's dict; a later pickle carries the mutated content
   (upstream's plain dict form if it no longer packs).
-* ``_trusted`` (arrays straight from a writer that never had a dict) makes an
-  *unfilled* instance: its Python-level accessors fill it on first use; C-level
-  readers that bypass them (msgspec) see an empty dict until then, so such an
-  object is for pickling or the scheduler only.
+* ``_trusted`` (arrays straight from a writer that never had a dict, or a received
+  step read by ``batched_take``) makes an *unfilled* instance: its Python-level
+  accessors fill it on first use; C-level readers that bypass them (msgspec) see an
+  empty dict until then, so such an object is for pickling or the scheduler only.
 
 Versioning: the pickled form starts with ``FORMAT_VERSION``; a reader with another
 version raises ``PackedFormatError`` naming both. The handshake (see
@@ -42,12 +45,17 @@ import copy
 import logging
 import operator
 import pickle
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import numpy as np
-from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
+from vllm.distributed.aux_output_connector.connector import (
+    AuxOutputSchedulerConnector,
+    AuxRequestOutput,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -114,6 +122,15 @@ class _Packed(NamedTuple):
     rows: np.ndarray
 
 
+class _Index(NamedTuple):
+    """Where each request of an unfilled step is (``PackedAuxOutputs._lookup``)."""
+
+    position: dict[str, int]
+    starts: list[int]
+    offsets: list[int]  # request i's rows are rows[offsets[i]:offsets[i + 1]]
+    rows: np.ndarray
+
+
 class PackedAuxOutputs(dict[str, AuxRequestOutput]):
     """Upstream's ``request_id -> AuxRequestOutput`` dict that pickles as one rows array.
 
@@ -123,13 +140,14 @@ class PackedAuxOutputs(dict[str, AuxRequestOutput]):
     an unfilled instance (``_trusted``) holds a packed form (``_packed``) instead.
     """
 
-    __slots__ = ("_packed", "_step")
+    __slots__ = ("_packed", "_step", "_index")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Same arguments as ``dict``: generic code (``dataclasses.asdict``) rebuilds
         a dict through its type. Such an instance packs itself when pickled."""
         self._packed: _Packed | None = None
         self._step: StepRows | None = None
+        self._index: _Index | None = None
         dict.__init__(self, *args, **kwargs)
 
     @classmethod
@@ -146,6 +164,7 @@ class PackedAuxOutputs(dict[str, AuxRequestOutput]):
         self = dict.__new__(_Unfilled)
         self._packed = _Packed(ids, joined_ids, starts, offsets, rows)
         self._step = None
+        self._index = None
         return self
 
     @classmethod
@@ -194,6 +213,7 @@ class PackedAuxOutputs(dict[str, AuxRequestOutput]):
         self = dict.__new__(PackedAuxOutputs)
         self._packed = None
         self._step = step
+        self._index = None
         dict.update(self, outputs)
         return self
 
@@ -212,28 +232,44 @@ class PackedAuxOutputs(dict[str, AuxRequestOutput]):
         owns its memory, so a kept row chunk pins that request's rows only (as with
         upstream's per-request arrays), and the step's buffer is dropped here.
         ``AuxRequestOutput`` is a plain dataclass (an anchor of the patch): setting its
-        two fields directly is what its ``__init__`` does, at a third of the cost.
+        two fields directly is what its ``__init__`` does; the objects are made and
+        their fields set by C-level ``map``s (no Python loop per request).
         """
         packed = self._packed
         assert packed is not None
         ids, _, starts, offsets, rows = packed
         n = len(ids)
+        if len(starts) != n or len(offsets) != n + 1:
+            raise ValueError(f"packed step: {n} ids, {len(starts)} starts, {len(offsets)} offsets")
         if int(offsets[-1]) == n and bool((offsets[1:] - offsets[:-1] == 1).all()):
             # Decode step, one row each: numpy's iteration makes the views in C.
             views: Any = rows.reshape((n, 1, *rows.shape[1:]))
         else:
             bounds = offsets.tolist()
             views = map(rows.__getitem__, map(slice, bounds, bounds[1:]))
-        values = []
-        append = values.append
-        for token_start, owned in zip(starts.tolist(), map(_copy, views), strict=True):
-            item = _new(AuxRequestOutput)
-            item.token_start = token_start
-            item.rows = owned
-            append(item)
+        values = list(map(_new, repeat(AuxRequestOutput, n)))
+        deque(map(setattr, values, repeat("token_start"), starts.tolist()), maxlen=0)
+        deque(map(setattr, values, repeat("rows"), map(_copy, views)), maxlen=0)
         dict.update(self, zip(ids, values, strict=True))
         self._packed = None
+        self._index = None
         self.__class__ = PackedAuxOutputs
+
+    def _lookup(self) -> _Index:
+        """Per-request placement of an unfilled step, built once and cached.
+
+        For ``batched_take``: request id -> position by one C-level
+        ``dict(zip(ids, range(n)))``, with token starts and row offsets as Python ints
+        and the rows array, so a request's rows are one slice without filling the step.
+        """
+        index = self._index
+        if index is None:
+            packed = self._packed
+            assert packed is not None, "only an unfilled instance has a packed form"
+            ids, _, starts, offsets, rows = packed
+            position = dict(zip(ids, range(len(ids)), strict=True))
+            index = self._index = _Index(position, starts.tolist(), offsets.tolist(), rows)
+        return index
 
     # -- dict behaviour beyond lookups ---------------------------------------------
 
@@ -500,9 +536,32 @@ def _rebuild(version: Any, *fields: Any) -> PackedAuxOutputs:
     starts, offsets = numbers[:n], numbers[n:]
     rows = np.frombuffer(payload, dtype=np.uint8).view(dtype)
     rows = rows.reshape((int(offsets[-1]), *token_shape))
-    received = PackedAuxOutputs._trusted(id_list, joined, starts, offsets, rows)
-    received._fill()  # copies every request's rows out of the transport buffer
-    return received
+    if not _reads_lazily():
+        received = PackedAuxOutputs._trusted(id_list, joined, starts, offsets, rows)
+        received._fill()  # copies every request's rows out of the transport buffer
+        return received
+    # batched_take reads the step without filling it: the step keeps its rows until
+    # the scheduler drops it, so they must be memory nobody else writes. A bytes or
+    # bytearray payload is the unpickler's own (in-band) or the fresh copy dequeue
+    # made (vLLM 0.32+); any other buffer (vLLM 0.31's view of the reusable ring
+    # slot, Ray's or zmq's read-only memory) is copied once, the whole step at a time.
+    if type(payload) is not bytes and type(payload) is not bytearray:
+        rows = rows.copy()
+    return PackedAuxOutputs._trusted(id_list, joined, starts, offsets, rows)
+
+
+def _reads_lazily() -> bool:
+    """Whether this process reads received steps unfilled: ``batched_take`` wraps the
+    scheduler connector's ``take_output`` here (our wrapper, checked by identity).
+
+    Otherwise a received step is filled at once, as packed_outputs alone always did:
+    then even C-level dict readers (msgspec) see its content.
+    """
+    from prime_r3 import state
+
+    taker = AuxOutputSchedulerConnector.__dict__.get("take_output")
+    ours = state.active_wrappers("batched_take")
+    return bool(ours) and any(taker is wrapper for wrapper in ours.values())
 
 
 def _prime_r3_version() -> str:

@@ -19,6 +19,17 @@ full path  = transport + one real ``AuxOutputSchedulerConnector.take_output`` pe
 mq x-proc  = the real vLLM ``MessageQueue``: enqueue in this process, dequeue (and
              take_output) in a forked reader process, one step at a time
 
+step path = issue 10's comparison at ``--step-requests`` (default 1000) decode requests,
+             every arm in the same run, round-robin, medians over rounds:
+             transport = upstream: pickle + unpickle of the dict (MessageQueue's
+             pickling); prime: building the packed form from the step's arrays (the
+             real ``batched_commit._packed``, what the batched path runs instead of
+             building one ``AuxRequestOutput`` per request) + pickle + unpickle
+             (``filled``: without batched_take, unpickling fills the step;
+             ``lazy``: with batched_take, it does not). take = one ``take_output``
+             per request as the scheduler calls it (bound on each call): upstream's
+             on the dict / on the filled step, batched_take's on the lazy step.
+
 Times are medians over steps, in ms of the timing thread's CPU time by default
 (``--clock cpu``: robust when other processes share the cores, as wall time is not);
 ``--clock wall`` measures wall time. The cyclic GC is paused inside timed regions
@@ -270,13 +281,93 @@ def bench_message_queue(
     return results
 
 
+def take_each(output: Any, requests: list[FakeRequest], connector: Any) -> int:
+    """One take_output per request, looked up on the connector each time (as
+    ``Scheduler.update_from_output`` calls ``self.aux_output_connector.take_output``)."""
+    rows = 0
+    for request in requests:
+        rows += len(connector.take_output(request, output))
+    return rows
+
+
+def _connector() -> Any:
+    try:
+        return AuxOutputSchedulerConnector()
+    except TypeError:  # 0.33's constructor needs the scheduler's KV cache manager
+        return object.__new__(AuxOutputSchedulerConnector)  # take_output reads no state
+
+
+def bench_step_path(n: int, rounds: int, steps: int, seed: int) -> Samples:
+    """Issue 10's transport and take comparison; arms round-robin within each round."""
+    import prime_r3
+    from prime_r3.fixes.batched_commit import _packed
+
+    connector = _connector()
+    res: Samples = {
+        k: []
+        for k in ("up_tr", "up_take", "fill_build", "fill_tr", "fill_take", "lazy_tr", "lazy_take")
+    }
+    for _ in range(rounds):
+        per_round: Samples = {k: [] for k in res}
+        for step in range(steps):
+            for arm in ("up", "fill", "lazy"):
+                if arm == "lazy":
+                    prime_r3.apply(["batched_take"], log=False)
+                else:
+                    prime_r3.revert(["batched_take"])
+                outputs, requests, rows = fresh_step(n, "decode", seed + step)
+                ids = list(outputs)
+                starts = np.fromiter((o.token_start for o in outputs.values()), np.int64, n)
+                everyone = list(range(n))
+                positions = np.arange(n)
+                gc.disable()
+                t0 = _clock()
+                if arm == "up":
+                    received = mq_loads(mq_dumps(outputs))
+                else:
+                    step_output = _packed(
+                        PackedAuxOutputs,
+                        ids,
+                        starts,
+                        rows.routed_experts,
+                        everyone,
+                        positions,
+                        [],
+                        [],
+                    )
+                    t_build = _clock()
+                    received = mq_loads(mq_dumps(step_output))
+                t1 = _clock()
+                taken = take_each(received, requests, connector)
+                t2 = _clock()
+                gc.enable()
+                assert taken == n
+                per_round[f"{arm}_tr"].append(t1 - t0)
+                per_round[f"{arm}_take"].append(t2 - t1)
+                if arm == "fill":
+                    per_round["fill_build"].append(t_build - t0)
+        for key, values in per_round.items():
+            if values:
+                res[key].append(statistics.median(values))
+    prime_r3.revert(["batched_take"])
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", default="400,1000,2000")
     parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
+    parser.add_argument("--step-requests", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--only-step-path", action="store_true", help="print only issue 10's comparison"
+    )
     args = parser.parse_args(argv)
+    for name in ("steps", "rounds", "step_requests"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     global _clock
     _clock = CLOCKS[args.clock]
     sizes = [int(x) for x in args.requests.split(",")]
@@ -304,6 +395,29 @@ def main(argv: list[str] | None = None) -> int:
             f" |       {full_d:>7.3f} {full_p:>7.3f} {full_d / full_p:>5.1f}x"
             f" |              {_ms(take_d):>6.3f} {_ms(take_p):>6.3f}"
         )
+
+    n = args.step_requests
+    r = bench_step_path(n, args.rounds, args.steps, args.seed)
+    up_tr, fill_tr, lazy_tr = (_ms(r[k]) for k in ("up_tr", "fill_tr", "lazy_tr"))
+    up_take, fill_take, lazy_take = (_ms(r[k]) for k in ("up_take", "fill_take", "lazy_take"))
+    print(
+        f"\nstep path at {n} decode requests (issue 10), medians of {args.rounds} rounds"
+        f" x {args.steps} steps, MessageQueue's pickling in-process:"
+    )
+    print(f"{'arm':<40} {'transport':>9} {'vs up':>6} {'take':>7} {'total':>7} {'vs up':>6}")
+    for label, tr, take in (
+        ("upstream dict, upstream take_output", up_tr, up_take),
+        ("prime filled (packed_outputs only)", fill_tr, fill_take),
+        ("prime lazy + batched_take", lazy_tr, lazy_take),
+    ):
+        total = tr + take
+        print(
+            f"{label:<40} {tr:>9.3f} {up_tr / tr:>5.1f}x {take:>7.3f} {total:>7.3f}"
+            f" {(up_tr + up_take) / total:>5.1f}x"
+        )
+    print(f"(building the packed form, inside prime transport: {_ms(r['fill_build']):.3f} ms)")
+    if args.only_step_path:
+        return 0
 
     print("\nin-process, MessageQueue's pickling: transport = (pack +) pickle + unpickle")
     print(head)

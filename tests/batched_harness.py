@@ -49,7 +49,32 @@ import prime_r3
 from prime_r3.packed import FORMAT_VERSION, READS_MARK
 
 WORKER = "vllm.distributed.aux_output_connector.worker"
-TAKE = object.__new__(AuxOutputSchedulerConnector).take_output  # reads nothing from self
+CONNECTOR = "vllm.distributed.aux_output_connector.connector"
+
+
+def _upstream_take_output() -> Any:
+    """Upstream's ``take_output`` (the original the layer saved, if batched_take wraps it)."""
+    try:
+        function = prime_r3.get_original(CONNECTOR, "AuxOutputSchedulerConnector.take_output")
+    except KeyError:  # never patched in this process
+        function = AuxOutputSchedulerConnector.__dict__["take_output"]
+    assert not isinstance(function, wrapt.ObjectProxy)
+    return function
+
+
+# The reference side's consumer: upstream's take_output, whatever is patched on the class
+# (it reads nothing from self). The patched side calls the live class attribute.
+TAKE = MethodType(_upstream_take_output(), object.__new__(AuxOutputSchedulerConnector))
+
+#: What carries each side's step output to EngineCore before ``take_output``: None is
+#: the worker's object itself (uniproc executor); tests set the real MessageQueue hop.
+HOP: Any = None
+
+
+def live_take() -> Any:
+    """``take_output`` as the scheduler calls it now (batched_take's wrapper if applied)."""
+    return object.__new__(AuxOutputSchedulerConnector).take_output
+
 
 #: Whether the modelled EngineCore declares that it reads packed steps (the default: a
 #: patched EngineCore does); tests turn it off to model one that cannot.
@@ -520,23 +545,31 @@ class Episode:
                 if request.num_output >= request.max_out:
                     request.finished = True
                 takers.append(request)
-        got = {name: output_state(out) for name, out in outputs.items()}
-        for request, start, *_ in job.items:
-            item = (outputs["upstream"] or {}).get(request.request_id)
-            self.seen["emit_from_store_or_buffer"] += item is not None and item.token_start < start
-        assert got["upstream"] == got["patched"], f"step {self.steps}: outputs differ"
+        # EngineCore's side first: the patched output may still be unfilled here (what
+        # batched_take reads without filling it), so it is taken before it is compared.
+        received = {
+            name: out if HOP is None or out is None else HOP(out) for name, out in outputs.items()
+        }
+        takers_of = {"upstream": TAKE, "patched": live_take()}
         for request in takers:
             taken = {}
-            for name, out in outputs.items():
+            for name, out in received.items():
                 try:
-                    rows = TAKE(request, out)
-                    taken[name] = None if rows is None else (rows.shape, rows.tobytes())
+                    rows = takers_of[name](request, out)
+                    taken[name] = (
+                        None if rows is None else (rows.dtype.str, rows.shape, rows.tobytes())
+                    )
                 except Exception as error:  # noqa: BLE001
                     taken[name] = error_of(error)
             assert taken["upstream"] == taken["patched"], (
                 f"step {self.steps}: take_output({request.request_id}) differs"
             )
             self.checks += 1
+        got = {name: output_state(out) for name, out in outputs.items()}
+        for request, start, *_ in job.items:
+            item = (outputs["upstream"] or {}).get(request.request_id)
+            self.seen["emit_from_store_or_buffer"] += item is not None and item.token_start < start
+        assert got["upstream"] == got["patched"], f"step {self.steps}: outputs differ"
         for request in takers:
             if request.finished and request.request_id in self.requests:
                 self.seen["finished_in_flight"] += request.request_id in {

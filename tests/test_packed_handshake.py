@@ -62,6 +62,8 @@ def _configure_engine_core(mode: str) -> None:
         os.environ["PRIME_R3"] = "0"
     elif mode == "without packed_outputs":
         os.environ["PRIME_R3_PATCHES"] = "all,-packed_outputs"
+    elif mode == "without batched_take":
+        os.environ["PRIME_R3_PATCHES"] = "all,-batched_take"
     elif mode == "reads format 2":  # another prime_r3 release, with a newer format
         from prime_r3 import packed
 
@@ -152,7 +154,11 @@ def _worker_step(metadata: Any, num_scheduled: dict[str, int]) -> Any:
 
 
 MODES = {  # EngineCore configuration -> what the worker must send
+    # batched_take wraps take_output: EngineCore still declares (our wrapper of
+    # upstream's function reads the packed form) and takes every request by a slice,
+    # so the received step is still unfilled after all the takes.
     "patched": PackedAuxOutputs,
+    "without batched_take": PackedAuxOutputs,
     "PRIME_R3=0": dict,
     "without packed_outputs": dict,
     "no prime_r3": dict,
@@ -186,7 +192,10 @@ def test_worker_packs_only_for_an_engine_core_that_reads_it(
         to_core.enqueue((0, output))
         assert conn.poll(60), "EngineCore process did not answer"
         module, name, stubs, seen = conn.recv()
-        assert (module, name) == (expected.__module__, expected.__name__)
+        received = (expected.__module__, expected.__name__)
+        if mode == "patched":  # read by batched_take's slices, never filled
+            received = (expected.__module__, "_Unfilled")
+        assert (module, name) == received
         upstream = dict(output)  # the worker holds upstream's own values
         assert seen == [outcome(stub, upstream) for stub in stubs]
         assert {s[0] for s in seen} == {"rows"}, seen
@@ -268,4 +277,55 @@ def test_a_consumer_replaced_after_apply_withholds_the_declaration(
     )
     assert not hasattr(connector.build_connector_meta(empty, {}), READS_MARK)
     reverted.delattr(connector, "take_output")
+    assert getattr(connector.build_connector_meta(empty, {}), READS_MARK) == FORMAT_VERSION
+
+
+@pytest.mark.parametrize("order", [("packed_outputs", "batched_take"), ("batched_take",)])
+def test_batched_take_keeps_the_declaration_and_a_foreign_layer_still_stops_it(
+    order: tuple[str, ...], reverted: pytest.MonkeyPatch
+) -> None:
+    """batched_take's wrapper of upstream's take_output reads the packed form, so the
+    declaration stays; anything else in its place (another layer's wrapper, even a wrapt
+    one around ours, or one made with functools.wraps) still withholds it. Either apply
+    order: packed_outputs applied after batched_take finds our wrapper on the class."""
+    import functools
+
+    import wrapt
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from prime_r3 import state
+    from prime_r3.packed import READS_MARK
+
+    if not hasattr(SchedulerOutput, "make_empty"):
+        pytest.skip("no SchedulerOutput.make_empty on this release")
+    connector = real_vllm().scheduler.aux_output_connector
+    empty = SchedulerOutput.make_empty()
+    upstream = AuxOutputSchedulerConnector.__dict__["take_output"]
+    for name in order:
+        assert prime_r3.apply([name], log=False).outcome(name).state == "applied"
+    if order == ("batched_take",):
+        assert not hasattr(connector.build_connector_meta(empty, {}), READS_MARK)
+        assert prime_r3.apply(["packed_outputs"], log=False).outcome("packed_outputs").state == (
+            "applied"
+        )
+    ours = AuxOutputSchedulerConnector.__dict__["take_output"]
+    assert ours is not upstream and state.is_object_patched(ours)
+    assert ours.__wrapped__ is upstream
+    assert getattr(connector.build_connector_meta(empty, {}), READS_MARK) == FORMAT_VERSION
+
+    def passthrough(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        return wrapped(*args, **kwargs)
+
+    for foreign in (
+        wrapt.FunctionWrapper(ours, passthrough),  # another layer on top of ours
+        wrapt.FunctionWrapper(upstream, passthrough),  # another layer's, not ours
+        functools.wraps(upstream)(lambda self, request, output: upstream(self, request, output)),
+    ):
+        # Put back by hand (not monkeypatch, which would undo after the fixture's revert
+        # and so reinstall our wrapper behind prime_r3's back).
+        AuxOutputSchedulerConnector.take_output = foreign
+        try:
+            assert not hasattr(connector.build_connector_meta(empty, {}), READS_MARK), foreign
+        finally:
+            AuxOutputSchedulerConnector.take_output = ours
     assert getattr(connector.build_connector_meta(empty, {}), READS_MARK) == FORMAT_VERSION

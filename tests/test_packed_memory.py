@@ -187,3 +187,37 @@ def test_received_rows_own_their_memory() -> None:
             assert value.rows.nbytes == outputs[request_id].rows.nbytes
         chunk = real_take_output()(Req("b", 3 + 1 + 2), received)
         assert chunk.base is received["b"].rows and _nbytes(_root(chunk)) == 4 * 46 * 8
+
+
+@pytest.mark.parametrize("hop", ["mq", "ray", "none"])
+def test_batched_take_keeps_no_more_alive_than_upstream(
+    hop: str, reverted: pytest.MonkeyPatch
+) -> None:
+    """With batched_take the received step stays unfilled and take_output returns a copy
+    owning exactly the rows it hands out (upstream: a view of the request's whole array);
+    the step's one rows array dies with the step, as upstream's dict does."""
+    import prime_r3
+    from prime_r3.fixes import batched_take
+
+    upstream = run_scenario(packed=False, hop=hop, concurrency=100, steps=300)
+    assert prime_r3.apply(["batched_take"], log=False).outcome("batched_take").state == "applied"
+    batched_take.COUNTERS.reset()
+    packed = run_scenario(packed=True, hop=hop, concurrency=100, steps=300)
+    counts = batched_take.COUNTERS.snapshot()
+    print(f"{hop}: kept alive by row chunks: upstream {upstream} B, batched_take {packed} B")
+    assert upstream > 0
+    assert packed <= upstream, (hop, packed, upstream)
+    try:
+        from vllm.v1.executor.ray_utils import detach_zero_copy_from_model_runner_output  # noqa: F401
+
+        ray_detach = True  # 0.31 / 0.32: it iterates values(), which fills the step
+    except ImportError:
+        ray_detach = False  # 0.33
+    if hop == "none" or (hop == "ray" and ray_detach):
+        # No hop: the worker's filled dict. Ray's detach read the step as a dict.
+        # Either way upstream's take_output ran on a filled step.
+        assert counts["fast_requests"] == 0 and counts["fallback_reasons"] == {
+            "not_packed": counts["fallback_requests"]
+        }
+    else:  # every take was a slice of the unfilled step
+        assert counts["fast_requests"] == 100 * 300 and counts["fallback_requests"] == 0, counts

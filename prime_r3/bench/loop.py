@@ -320,7 +320,7 @@ def run(
 
 
 #: Patches that count which requests their fast path took and which went to upstream.
-_COUNTED = ("batched_commit", "batched_begin")
+_COUNTED = ("batched_commit", "batched_begin", "batched_take")
 
 
 def _counted_modules() -> list[Any]:
@@ -344,7 +344,7 @@ def _fast_path_counters() -> dict[str, Any]:
     return {
         name: counts
         for name, module in _counted_modules()
-        if (counts := module.COUNTERS.snapshot())["steps"]
+        if (counts := module.COUNTERS.snapshot())["steps"] or counts["fallback_requests"]
     }
 
 

@@ -489,8 +489,11 @@ def _packed(
 ) -> Any:
     """The step's ``PackedAuxOutputs``: fast rows taken straight from the snapshot."""
     if not direct and not materialised:
-        out_ids = list(operator.itemgetter(*fast)(ids)) if len(fast) > 1 else [ids[fast[0]]]
-        out_starts = token_starts[fast].astype(np.int64)
+        if len(fast) == len(ids):  # fast is sorted and unique: every request, in order
+            out_ids, out_starts = list(ids), token_starts.astype(np.int64)
+        else:
+            out_ids = list(operator.itemgetter(*fast)(ids)) if len(fast) > 1 else [ids[fast[0]]]
+            out_starts = token_starts[fast].astype(np.int64)
         offsets = np.arange(len(fast) + 1, dtype=np.int64)
         if fast_rows[-1] - fast_rows[0] + 1 == len(fast):  # contiguous: one slice copy
             out_rows = rows[int(fast_rows[0]) : int(fast_rows[-1]) + 1].copy()

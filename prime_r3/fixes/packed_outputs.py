@@ -15,7 +15,8 @@ possibly on another node with another prime_r3 (or none). EngineCore's
 ``build_connector_meta`` wrapper marks each step's ``AuxOutputConnectorMetadata``
 (sent to workers inside ``SchedulerOutput``) with ``READS_MARK = FORMAT_VERSION``, a
 plain int attribute, and only while the live scheduler connector's ``take_output`` is
-upstream's plain function (not a subclass's or an instance's override). The worker
+upstream's plain function or ``batched_take``'s wrapper of exactly that function (not a
+subclass's or an instance's override, nor another layer's wrapper). The worker
 packs only when the metadata of its current step (what ``begin_step`` stored) carries
 the version it writes; otherwise the step goes as upstream's dict. So an EngineCore
 where this patch did not apply (changed anchor, ``PRIME_R3=0``, other

@@ -1,0 +1,151 @@
+"""batched_take: EngineCore takes a request's rows from a received packed step by one slice.
+
+The scheduler calls ``AuxOutputSchedulerConnector.take_output(request, output)`` once
+per request that emits, every step. On a packed step (``packed_outputs``) the first
+``output[request_id]`` used to fill the whole step: one ``AuxRequestOutput`` and one
+owned rows array per request, then dict lookups, the token range arithmetic and a
+slice. Half of EngineCore's R3 cost at 400 requests was that fill plus those calls.
+
+We wrap ``take_output``. When ``output`` is a received, still unfilled
+``PackedAuxOutputs`` (``prime_r3.packed`` leaves it unfilled in a process where this
+patch is in force) that holds the request and its accepted range is valid
+(``0 <= local_end <= its row count``, upstream's own arithmetic on the same
+``request.request_id`` and ``request.num_tokens``), the result is a fresh array owning
+exactly ``rows[offsets[i]:offsets[i] + local_end]`` of the step: one slice and one
+``.copy()``, the position ``i`` from a map built once per step by C-level
+``dict(zip(ids, range(n)))`` (cached on the step). The step is not filled.
+
+Anything else goes to upstream's ``take_output`` itself, so its assertions and their
+messages are upstream's: a plain dict (uniproc executor, an EngineCore whose workers
+send dicts), an already filled step, ``None``, a request missing from the step,
+``local_end < 0`` (upstream returns ``None`` or asserts, depending on
+``request.is_finished()``) and ``local_end`` beyond the request's rows. On a packed step
+that first fallback fills it (upstream reads it as the dict it is); later requests of
+that step then go to upstream too.
+
+Memory: upstream returns a view of the request's own array, which keeps that whole
+array alive; ours owns exactly the rows it returns. The unfilled step holds one array
+of the step's rows (what upstream's dict holds in per-request arrays) and dies with
+the ``ModelRunnerOutput``, as upstream's dict does.
+
+Other readers of ``model_runner_output.aux_output_connector_output`` see upstream's
+content: every Python-level dict read of an unfilled step fills it first (``in``,
+``[]``, ``get``, ``keys``/``values``/``items``, ``==``, ``copy``, Ray's zero-copy
+detach iterating ``values()``), and ``dict(step)`` / ``{**step}`` go through those
+reads. Only C extensions that read the dict's storage directly (msgspec) would see it
+empty; nothing in vLLM 0.31-0.33 encodes ``ModelRunnerOutput`` that way in EngineCore
+(the scheduler is the only consumer), and without this patch a received step is
+filled at once as before.
+
+``COUNTERS``: requests taken by the slice vs by upstream, by reason (``not_packed``: output
+not an unfilled packed step; ``missing``; ``before_start``: ``local_end < 0``;
+``beyond_rows``; ``call``: not called as ``take_output(request, output)``). ``steps``
+counts packed steps read.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from prime_r3.fixes.aux_output import CONNECTOR_MODULE as _CONNECTOR
+from prime_r3.fixes.aux_output import TAKE_OUTPUT
+from prime_r3.spec import PatchSpec, Process, Target, WrapperFn
+
+
+class Counters:
+    """Requests ``take_output`` served by the slice vs by upstream, by reason.
+
+    ``take_output`` runs on EngineCore's scheduler thread only, once per emitting
+    request: the fast count and the packed-step count are plain increments there (a
+    lock per request would cost as much as the slice); fallbacks are counted under a
+    lock. ``snapshot()`` has the keys of ``batched_commit.Counters``'s, for the bench.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.steps = 0
+            self.fast_requests = 0
+            self.fallback_reasons: Counter[str] = Counter()
+
+    def fallback(self, reason: str) -> None:
+        with self._lock:
+            self.fallback_reasons[reason] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "steps": self.steps,
+                "batched_steps": self.steps,
+                "fast_requests": self.fast_requests,
+                "fallback_requests": sum(self.fallback_reasons.values()),
+                "fallback_reasons": dict(self.fallback_reasons),
+            }
+
+
+COUNTERS = Counters()
+
+
+def _batched_take(params: Mapping[str, Any]) -> WrapperFn:
+    from prime_r3.packed import _Unfilled  # imports vLLM: only when applying
+
+    counters = COUNTERS
+
+    def batched_take(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
+        if len(args) != 2 or kwargs:
+            counters.fallback("call")
+            return wrapped(*args, **kwargs)
+        request, output = args
+        if type(output) is not _Unfilled:
+            counters.fallback("not_packed")
+            return wrapped(request, output)
+        index = output._index
+        if index is None:
+            index = output._lookup()
+            counters.steps += 1
+        # Upstream reads request_id first, then (for a present id) num_tokens.
+        request_id = request.request_id
+        try:
+            i = index.position.get(request_id)
+        except TypeError:  # unhashable id: upstream's `in` raises its own error
+            i = None
+        if i is None:
+            counters.fallback("missing")
+            return wrapped(request, output)
+        low = index.offsets[i]
+        local_end = request.num_tokens - 1 - index.starts[i]
+        if local_end < 0:
+            counters.fallback("before_start")
+            return wrapped(request, output)
+        if local_end > index.offsets[i + 1] - low:
+            counters.fallback("beyond_rows")
+            return wrapped(request, output)
+        counters.fast_requests += 1
+        return index.rows[low : low + local_end].copy()
+
+    return batched_take
+
+
+SPEC = PatchSpec(
+    name="batched_take",
+    summary="EngineCore takes each request's rows from a received packed step by one slice, "
+    "without filling the step",
+    vllm_range=">=0.31,<0.34",
+    # The scheduler connector lives in EngineCore.
+    processes=frozenset({Process.ENGINE_CORE}),
+    # take_output is byte-identical in vLLM 0.31.0, 0.32.0 and 0.33.0; its only inputs
+    # are the request's request_id / num_tokens / is_finished() and the step output.
+    targets=(
+        Target(_CONNECTOR, "AuxOutputSchedulerConnector.take_output", TAKE_OUTPUT, _batched_take),
+    ),
+    diff_pending=(
+        "its upstream form is a packed step type that take_output slices, "
+        "which belongs with packed_outputs' upstream diff"
+    ),
+)

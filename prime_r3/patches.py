@@ -9,6 +9,7 @@ from __future__ import annotations
 from prime_r3.fixes import (
     batched_begin,
     batched_commit,
+    batched_meta,
     engine_gc,
     packed_outputs,
     store_eviction,
@@ -25,6 +26,7 @@ REGISTRY: tuple[PatchSpec, ...] = (
     store_growth.SPEC,
     batched_commit.SPEC,
     batched_begin.SPEC,
+    batched_meta.SPEC,
 )
 
 

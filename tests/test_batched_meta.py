@@ -24,6 +24,7 @@ import os
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
+import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
@@ -36,6 +37,7 @@ from prime_r3.bench.loop import RequestRecord, Simulator  # noqa: E402
 from prime_r3.bench.workload import BenchConfig  # noqa: E402
 from prime_r3.fixes import batched_meta  # noqa: E402
 from prime_r3.guards import installed_vllm_version  # noqa: E402
+from tests import fake_layers  # noqa: E402
 
 RELEASE = installed_vllm_version()
 SEEDS = 12
@@ -214,3 +216,203 @@ def test_metadata_and_state_equal_upstream_every_step(
     assert {"new", "hashes"} <= counts["fallback_reasons"].keys(), counts
     print(f"\n{RELEASE}: {SEEDS} seeds, {totals['steps']} steps, {counts}, {totals}")
     print(f"took {time.perf_counter() - started:.1f}s")
+
+
+# -- single steps on crafted requests: errors, overrides, the packed reader's mark ------
+
+
+def _requests(real: Any, count: int) -> dict[str, Any]:
+    """Real Requests decoding past their prompts (block hashes from the real hasher)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from prime_r3.bench.loop import _block_hasher
+
+    hasher = _block_hasher(real.vllm_config, real.kv_cache_config)
+    requests = {}
+    for k in range(count):
+        params = SamplingParams(max_tokens=64, routed_experts_prompt_start=k % 3)
+        request = Request(
+            f"q{k:03d}", list(range(1 + k, 11 + k)), params, None, block_hasher=hasher
+        )
+        request.append_output_token_ids(list(range(2 + k % 5)))
+        request.num_computed_tokens = request.num_tokens - 1
+        requests[request.request_id] = request
+    return requests
+
+
+def _connector_copy(connector: Any, sent: dict[str, int]) -> Any:
+    clone = copy.copy(connector)
+    for name, value in vars(connector).items():
+        if isinstance(value, dict | list):
+            setattr(clone, name, copy.copy(value))
+    clone._sent_hash_counts = dict(sent)
+    return clone
+
+
+def _outcome(call: Any, connector: Any, *args: Any) -> tuple[Any, ...]:
+    try:
+        metadata = call(connector, *args)
+        result: Any = ("ok", snapshot_metadata(metadata))
+    except Exception as error:  # noqa: BLE001 - the error is the result compared
+        result = ("raise", type(error), str(error))
+    state = (list(connector._sent_hash_counts.items()), list(connector._finished_requests))
+    return result, state
+
+
+def snapshot_metadata(metadata: Any) -> tuple[Any, ...]:
+    def packed(value: Any) -> Any:
+        return None if value is None else (value.data, value.item_size)
+
+    return (
+        metadata.generation,
+        list(metadata.requests.items()),
+        [(k, packed(v)) for k, v in metadata.block_hashes.items()],
+        metadata.finished_requests,
+        [(k, v) for k, v in vars(metadata).items() if k.startswith("prime_r3")],
+    )
+
+
+def _step(requests: dict[str, Any]) -> Any:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    so = SchedulerOutput.make_empty()
+    so.num_scheduled_tokens = dict.fromkeys(requests, 1)
+    return so
+
+
+def _sent_all(requests: dict[str, Any]) -> dict[str, int]:
+    """Every request known, its hashes sent: the fast case (0.33: keyed ones only)."""
+    return {r: len(q.block_hashes) for r, q in requests.items()}
+
+
+def _case(name: str, requests: dict[str, Any], sent: dict[str, int]) -> tuple[Any, Any, Any]:
+    scheduler_output = _step(requests)
+    if name == "missing request":
+        scheduler_output.num_scheduled_tokens["nobody"] = 1
+    elif name == "no sampling params":
+        next(iter(requests.values())).sampling_params = None
+    elif name == "hash history shrank":
+        sent[next(iter(requests))] += 1
+    return scheduler_output, requests, sent
+
+
+ERROR_CASES = {  # case -> what upstream raises (each release's real code)
+    "missing request": KeyError,
+    "no sampling params": AssertionError,
+    "hash history shrank": AssertionError,
+}
+
+
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+def test_upstream_errors_raised_by_upstream_with_its_effects(
+    case: str, reverted: pytest.MonkeyPatch
+) -> None:
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+    from tests.test_packed_outputs import real_vllm
+
+    real = real_vllm()
+    connector = real.scheduler.aux_output_connector
+    requests = _requests(real, 24)
+    scheduler_output, requests, sent = _case(case, requests, _sent_all(requests))
+    upstream = AuxOutputSchedulerConnector.build_connector_meta
+    expected = _outcome(upstream, _connector_copy(connector, sent), scheduler_output, requests)
+    assert expected[0][0] == "raise" and expected[0][1] is ERROR_CASES[case], expected
+    prime_r3.apply(["batched_meta"], log=False)
+    batched_meta.COUNTERS.reset()
+    patched = AuxOutputSchedulerConnector.build_connector_meta
+    got = _outcome(patched, _connector_copy(connector, sent), scheduler_output, requests)
+    assert got == expected
+    assert batched_meta.COUNTERS.snapshot()["fallback_reasons"] == {
+        "step": 25 if (case == "missing request") else 24
+    }
+
+
+def test_connector_subclass_with_own_hash_helper_goes_to_upstream(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+    from tests.test_packed_outputs import real_vllm
+
+    helper = "_take_new_hashes" if RELEASE.startswith("0.33.") else "_pack_new_hashes"
+    calls: list[str] = []
+    original = getattr(AuxOutputSchedulerConnector, helper)
+
+    def counting(*args: Any) -> Any:
+        calls.append(helper)
+        return original(*args)
+
+    subclass = type("Custom", (AuxOutputSchedulerConnector,), {helper: staticmethod(counting)
+        if helper == "_pack_new_hashes" else counting})  # fmt: skip
+    real = real_vllm()
+    requests = _requests(real, 24)
+    prime_r3.apply(["batched_meta"], log=False)
+    batched_meta.COUNTERS.reset()
+    connector = _connector_copy(real.scheduler.aux_output_connector, _sent_all(requests))
+    connector.__class__ = subclass
+    connector.build_connector_meta(_step(requests), requests)
+    assert len(calls) == 24  # its helper saw every request, as under upstream
+    assert batched_meta.COUNTERS.snapshot()["fallback_reasons"] == {"step": 24}
+
+
+def test_fast_step_keeps_what_an_inner_wrapper_set_on_the_metadata(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """Nested as the layer stacks patches in registry order: packed_outputs' reader
+    declaration (registered earlier) is the inner wrapper, batched_meta the outer one.
+    The outer one's fast path still calls the inner one (on the trimmed step), so the
+    step's metadata carries the inner wrapper's mark, and is otherwise upstream's."""
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+    from prime_r3.fixes import packed_outputs
+    from prime_r3.packed import FORMAT_VERSION, READS_MARK
+    from tests.test_packed_outputs import real_vllm
+
+    real = real_vllm()
+    requests = _requests(real, 24)
+    first = next(iter(requests))
+    sent = _sent_all(requests)
+    sent[first] -= 1  # one request with a hash to send: upstream packs it
+    upstream = AuxOutputSchedulerConnector.build_connector_meta
+    reference = _connector_copy(real.scheduler.aux_output_connector, sent)
+    expected = _outcome(upstream, reference, _step(requests), requests)
+    declare = packed_outputs._declare_packed_reader({})
+    outer = batched_meta._batched_meta({})
+    connector = _connector_copy(real.scheduler.aux_output_connector, sent)
+
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        return declare(upstream.__get__(connector), connector, args, kwargs)
+
+    batched_meta.COUNTERS.reset()
+    metadata = outer(inner, connector, (_step(requests), requests), {})
+    assert getattr(metadata, READS_MARK) == FORMAT_VERSION
+    got_result, got_state = _outcome(lambda c, *a: metadata, connector)
+    assert got_state == expected[1]
+    assert got_result[1][:4] == expected[0][1][:4]  # upstream's metadata, order included
+    assert got_result[1][4] == [(READS_MARK, FORMAT_VERSION)]
+    assert batched_meta.COUNTERS.snapshot()["fast_requests"] == 23
+
+
+@pytest.mark.parametrize("how", ["plain", *sorted(fake_layers.FUNCTION_LAYERS)])
+def test_property_anchor_guard_sees_a_wrapped_getter(
+    reverted: pytest.MonkeyPatch, how: str
+) -> None:
+    """Request.num_tokens is a property anchor: upstream's getter is plain; a getter that
+    another layer wrapped (same property, new function) skips the patch."""
+    from vllm.v1 import request as request_module
+
+    cls = request_module.Request
+    original = cls.__dict__["num_tokens"]
+    if how != "plain":
+        wrapped = fake_layers.FUNCTION_LAYERS[how](original.fget)
+        reverted.setattr(cls, "num_tokens", property(wrapped))
+    outcome = prime_r3.status().outcome("batched_meta")
+    if how == "plain":
+        assert outcome.state == "would_apply", outcome.reason
+    else:
+        assert outcome.state == "skipped"
+        assert outcome.reason.startswith(
+            "anchor vllm.v1.request:Request.num_tokens is not upstream's plain object"
+        ), outcome.reason

@@ -10,8 +10,8 @@ step's real ``scheduler_output`` and requests, each arm runs ``--rounds`` times 
 interleaved), each time on a fresh copy of the connector's state, timed as thread CPU
 time; the simulation itself then continues with upstream's call on the real
 connector, so both arms see the same steps. Printed: per arm the median over steps of
-the per-step median over rounds, the ratio, and batched_meta's fast vs upstream
-request counts for the measured steps.
+the per-step median over rounds, the ratio, and how many requests per step
+batched_meta's pass took and how many went to upstream's code (by reason).
 """
 
 from __future__ import annotations
@@ -128,15 +128,21 @@ def main(argv: list[str] | None = None) -> int:
     from prime_r3.guards import installed_vllm_version
 
     print(f"vLLM {installed_vllm_version()}: build_connector_meta, ms CPU per step")
-    print(f"{'N':>6} {'scheduled':>9} {'upstream':>9} {'patched':>9} {'ratio':>6}  fast / upstream")
+    print(
+        f"{'N':>6} {'scheduled':>9} {'upstream':>9} {'patched':>9} {'ratio':>6}  "
+        "requests per step: fast / upstream's (reasons)"
+    )
     for n in (int(x) for x in args.n.split(",")):
         r = measure(n, args.steps, args.rounds)
         c = r["counts"]
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(c["fallback_reasons"].items()))
+        calls = max(c["steps"], 1)  # the patched arm's calls: rounds x measured steps
+        reasons = ", ".join(
+            f"{k} {v / calls:.1f}" for k, v in sorted(c["fallback_reasons"].items())
+        )
         print(
             f"{r['n']:>6} {r['scheduled']:>9.0f} {r['upstream']:>9.3f} {r['batched_meta']:>9.3f} "
-            f"{r['upstream'] / r['batched_meta']:>5.1f}x  {c['fast_requests']} / "
-            f"{c['fallback_requests']} ({reasons})"
+            f"{r['upstream'] / r['batched_meta']:>5.1f}x  {c['fast_requests'] / calls:.1f} / "
+            f"{c['fallback_requests'] / calls:.1f} ({reasons})"
         )
     return 0
 

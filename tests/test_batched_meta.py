@@ -256,7 +256,11 @@ def _outcome(call: Any, connector: Any, *args: Any) -> tuple[Any, ...]:
         result: Any = ("ok", snapshot_metadata(metadata))
     except Exception as error:  # noqa: BLE001 - the error is the result compared
         result = ("raise", type(error), str(error))
-    state = (list(connector._sent_hash_counts.items()), list(connector._finished_requests))
+    state = (
+        list(connector._sent_hash_counts.items()),
+        list(connector._finished_requests),
+        sorted(getattr(connector, "_loading", {})),  # 0.33
+    )
     return result, state
 
 
@@ -416,3 +420,33 @@ def test_property_anchor_guard_sees_a_wrapped_getter(
         assert outcome.reason.startswith(
             "anchor vllm.v1.request:Request.num_tokens is not upstream's plain object"
         ), outcome.reason
+
+
+@pytest.mark.skipif(not (RELEASE or "").startswith("0.33."), reason="0.33 has _loading")
+def test_loading_entry_is_popped_by_upstream(reverted: pytest.MonkeyPatch) -> None:
+    """0.33 pops a scheduled request's `_loading` entry (an external KV load finished):
+    such a request goes to upstream, which pops it; the step equals upstream's."""
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+    from tests.test_packed_outputs import real_vllm
+
+    real = real_vllm()
+    requests = _requests(real, 24)
+    loading_id = list(requests)[5]
+    connector = real.scheduler.aux_output_connector
+    sent = _sent_all(requests)
+    upstream = AuxOutputSchedulerConnector.build_connector_meta
+    reference = _connector_copy(connector, sent)
+    reference._loading = {loading_id: set(), "elsewhere": set()}
+    expected = _outcome(upstream, reference, _step(requests), requests)
+    assert expected[1][2] == ["elsewhere"]  # upstream popped the scheduled one
+    prime_r3.apply(["batched_meta"], log=False)
+    batched_meta.COUNTERS.reset()
+    patched = _connector_copy(connector, sent)
+    patched._loading = {loading_id: set(), "elsewhere": set()}
+    got = _outcome(
+        AuxOutputSchedulerConnector.build_connector_meta, patched, _step(requests), requests
+    )
+    assert got == expected
+    counts = batched_meta.COUNTERS.snapshot()
+    assert counts["fallback_reasons"] == {"loading": 1} and counts["fast_requests"] == 23

@@ -278,14 +278,16 @@ def _scan_033(
         num_sent = sent_get(request_id, -1)
         num_hashes = len(request.block_hashes)
         emit = len(request._all_token_ids) - 1
-        # _take_new_hashes: nothing to send unless more hashes are keyed than sent.
-        num_keyed = min(num_hashes, (request.num_computed_tokens + num_tokens) // hash_block_size)
-        quiet = 0 <= num_sent <= num_hashes and num_keyed <= num_sent
+        # _take_new_hashes sends nothing unless min(num_hashes, keyed) > num_sent.
+        quiet = num_sent == num_hashes or (
+            0 <= num_sent < num_hashes
+            and (request.num_computed_tokens + num_tokens) // hash_block_size <= num_sent
+        )
         if (
             quiet
             and request._output_token_ids
             and emit > request.num_prompt_tokens
-            and request_id not in loading
+            and not (loading and request_id in loading)
         ):
             values[request_id] = emit
             continue

@@ -450,3 +450,31 @@ def test_loading_entry_is_popped_by_upstream(reverted: pytest.MonkeyPatch) -> No
     assert got == expected
     counts = batched_meta.COUNTERS.snapshot()
     assert counts["fallback_reasons"] == {"loading": 1} and counts["fast_requests"] == 23
+
+
+def test_with_packed_outputs_stacked_under_it(
+    reverted: pytest.MonkeyPatch, small_batches: None
+) -> None:
+    """Both patches wrap build_connector_meta; the layer nests them in registry order
+    (packed_outputs inner). Every step equals upstream's plus packed_outputs' reader
+    mark, the fast path ran, and the rows (sent packed) are upstream's. Skips while the
+    layer cannot stack two patches on one target (before the `stack` branch)."""
+    from prime_r3.packed import FORMAT_VERSION, READS_MARK
+
+    batched_meta.COUNTERS.reset()
+    for seed in range(4):
+        prime_r3.revert()
+        expected, expected_rows, _ = run(seed)
+        try:
+            prime_r3.apply(["packed_outputs", "batched_meta"], log=False)
+        except prime_r3.PatchNotApplied as error:
+            reason = error.report.outcome("batched_meta").reason
+            assert "is not upstream's plain object" in reason, reason
+            pytest.skip(f"this layer does not stack patches on one target: {reason}")
+        got, got_rows, _ = run(seed)
+        marks = [step[8] for step in got]
+        assert marks == [[(READS_MARK, FORMAT_VERSION)]] * len(got)
+        unmarked = [(*step[:8], [], *step[9:]) for step in got]
+        assert unmarked == expected, f"seed {seed}: {_first_difference(expected, unmarked)}"
+        assert got_rows == expected_rows, f"seed {seed}: finished rows differ"
+    assert batched_meta.COUNTERS.snapshot()["fast_requests"] > 0

@@ -167,7 +167,25 @@ def not_plain(obj: Any, definition: fingerprint.Definition, ours_ok: bool = Fals
     """
     if isinstance(definition.node, ast.ClassDef):
         return _not_plain_class(obj, definition, ours_ok)
+    if type(obj) is property:  # e.g. an anchor on Request.num_tokens: check its functions
+        nodes = _same_name_defs(definition)
+        for function in _functions_of(obj):
+            why = _not_plain_function(function, definition, nodes, definition.qualname, ours_ok)
+            if why is not None:
+                return why
+        return None
     return _not_plain_function(obj, definition, [definition.node], definition.qualname, ours_ok)
+
+
+def _same_name_defs(definition: fingerprint.Definition) -> list[Any]:
+    """Every ``def`` of the name in its class (a property's getter, setter, deleter)."""
+    parent, _, name = definition.qualname.rpartition(".")
+    source = definition.text.source
+    body = fingerprint.find_node(source, parent).body if parent else fingerprint.parse(source).body
+    nodes = [
+        s for s in body if isinstance(s, ast.FunctionDef | ast.AsyncFunctionDef) and s.name == name
+    ]
+    return nodes or [definition.node]
 
 
 _STRUCTURAL = {"staticmethod", "classmethod", "property", "setter", "getter", "deleter"}

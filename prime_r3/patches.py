@@ -9,6 +9,7 @@ from __future__ import annotations
 from prime_r3.fixes import (
     batched_begin,
     batched_commit,
+    batched_meta,
     batched_take,
     engine_gc,
     packed_outputs,
@@ -27,6 +28,7 @@ REGISTRY: tuple[PatchSpec, ...] = (
     batched_commit.SPEC,
     batched_begin.SPEC,
     batched_take.SPEC,
+    batched_meta.SPEC,
 )
 
 

@@ -94,9 +94,16 @@ def forget(name: str) -> None:
 
 
 def _owner(obj: Any) -> str | None:
-    """The patch whose installed wrapper ``obj`` is (None if it is not one of ours)."""
-    for name, wrappers in _active.items():
-        for wrapper in wrappers.values():
+    """The patch whose installed wrapper ``obj`` is (None if it is not one of ours).
+
+    Read without the lock (batched_commit and packed_outputs ask every step, on the
+    worker's output thread and in EngineCore): it walks snapshots, each taken by one
+    C-level ``tuple()`` that no other thread can interleave (the GIL is held and no
+    Python code runs for str keys), so an apply, revert or import hook changing the
+    records on another thread cannot make it raise mid-iteration.
+    """
+    for name, wrappers in tuple(_active.items()):
+        for wrapper in tuple(wrappers.values()):
             if obj is wrapper:
                 return name
     return None
@@ -137,6 +144,6 @@ def unwrap_ours(obj: Any) -> Any | None:
     (``inspect.getattr_static``), not at a bound method.
     """
     found, inner = layers(obj)
-    if found and not any(inner is original for original in _originals.values()):
+    if found and not any(inner is original for original in tuple(_originals.values())):
         return None
     return inner

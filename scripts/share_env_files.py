@@ -15,7 +15,9 @@ applied to; a file written in place there must stay in one release) and ``prime_
 itself (editable, in the checkout). pip replaces files by unlinking them, so upgrading a
 package in one environment never writes through to another.
 
-Prints how much was shared. Safe to rerun: files that already share an inode are skipped.
+Prints how much was shared. Safe to rerun (files that already share an inode are skipped,
+a temporary link left by an interrupted run is replaced); a file the filesystem will not
+link is left as it is.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import pathlib
 import sys
 
 _NOT_SHARED = ("vllm", "prime_r3", "__editable__")
+_TMP_SUFFIX = ".prime_r3-link"
 
 
 def site_packages(venv: pathlib.Path) -> pathlib.Path:
@@ -58,6 +61,8 @@ def share(venv: pathlib.Path, others: list[pathlib.Path]) -> tuple[int, int]:
             subdirs[:] = [d for d in subdirs if not d.startswith(_NOT_SHARED)]
             names = [n for n in names if not n.startswith(_NOT_SHARED)]
         for name in names:
+            if name.endswith(_TMP_SUFFIX):
+                continue  # an interrupted run's temporary link: replaced or removed below
             path = here / name
             stat = path.lstat()
             if not path.is_file() or path.is_symlink() or stat.st_size == 0:
@@ -76,13 +81,27 @@ def share(venv: pathlib.Path, others: list[pathlib.Path]) -> tuple[int, int]:
                     continue
                 if not filecmp.cmp(path, twin, shallow=False):
                     continue
-                tmp = path.with_name(f".{name}.prime_r3-link")
-                os.link(twin, tmp)
-                os.replace(tmp, path)
-                files += 1
-                shared += stat.st_size
+                if _link(twin, path):
+                    files += 1
+                    shared += stat.st_size
                 break
     return files, shared
+
+
+def _link(twin: pathlib.Path, path: pathlib.Path) -> bool:
+    """Replace ``path`` by a hard link to ``twin`` atomically; False (file left as it
+    is) where the filesystem refuses (another disk, a link limit, permissions): the
+    environment is already complete, sharing only saves space."""
+    tmp = path.with_name(f".{path.name}{_TMP_SUFFIX}")
+    try:
+        tmp.unlink(missing_ok=True)  # left by an interrupted run
+        os.link(twin, tmp)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def main(argv: list[str]) -> int:

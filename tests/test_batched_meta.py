@@ -298,6 +298,8 @@ def _case(name: str, requests: dict[str, Any], sent: dict[str, int]) -> tuple[An
         next(iter(requests.values())).sampling_params = None
     elif name == "hash history shrank":
         sent[next(iter(requests))] += 1
+    elif name == "prompt start None":  # found by review: 0.32/0.33 did not read it
+        list(requests.values())[5].sampling_params.routed_experts_prompt_start = None
     return scheduler_output, requests, sent
 
 
@@ -305,6 +307,7 @@ ERROR_CASES = {  # case -> what upstream raises (each release's real code)
     "missing request": KeyError,
     "no sampling params": AssertionError,
     "hash history shrank": AssertionError,
+    "prompt start None": TypeError,  # upstream's min/max with None
 }
 
 
@@ -328,9 +331,12 @@ def test_upstream_errors_raised_by_upstream_with_its_effects(
     patched = AuxOutputSchedulerConnector.build_connector_meta
     got = _outcome(patched, _connector_copy(connector, sent), scheduler_output, requests)
     assert got == expected
-    assert batched_meta.COUNTERS.snapshot()["fallback_reasons"] == {
-        "step": 25 if (case == "missing request") else 24
-    }
+    expected_reasons = (
+        {"prompt": 1}  # that request alone goes to upstream, which raises on it
+        if case == "prompt start None"
+        else {"step": 25 if (case == "missing request") else 24}
+    )
+    assert batched_meta.COUNTERS.snapshot()["fallback_reasons"] == expected_reasons
 
 
 def test_connector_subclass_with_own_hash_helper_goes_to_upstream(

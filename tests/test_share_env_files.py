@@ -61,3 +61,35 @@ def test_identical_files_are_linked_and_the_rest_left_alone(tmp_path: pathlib.Pa
     assert not list(site.rglob("*.prime_r3-link"))
     # A second run finds everything already shared.
     assert script.share(new, script.siblings(tmp_path, new)) == (0, 0)
+
+
+def test_a_leftover_link_or_a_refused_link_never_fails_the_setup(tmp_path: pathlib.Path) -> None:
+    """An interrupted run leaves ``.NAME.prime_r3-link``; a sibling on another disk
+    refuses links (EXDEV). Neither may fail an environment that is already complete
+    (found by review: FileExistsError, then ensure_env.sh exited 1)."""
+    script = _script()
+    data = {"torch/a.py": b"x = 1\n", "torch/b.py": b"y = 2\n"}
+    _venv(tmp_path, ".venv", data, verified=True)
+    new = _venv(tmp_path, ".venv-0.31.0", data, verified=False)
+    site = new / "lib/python3.11/site-packages"
+    (site / "torch/.a.py.prime_r3-link").write_bytes(b"stale")
+    assert script.main([str(tmp_path), str(new)]) == 0
+    base = tmp_path / ".venv/lib/python3.11/site-packages"
+    assert _inode(site / "torch/a.py") == _inode(base / "torch/a.py")
+    assert not list(site.rglob("*.prime_r3-link"))
+
+    other = _venv(tmp_path, ".venv-0.33.0", data, verified=False)
+    real_link = script.os.link
+
+    def refuse(src, dst):  # noqa: ANN001, ANN202
+        raise OSError(18, "Invalid cross-device link")
+
+    script.os.link = refuse
+    try:
+        assert script.main([str(tmp_path), str(other)]) == 0
+    finally:
+        script.os.link = real_link
+    other_site = other / "lib/python3.11/site-packages"
+    assert (other_site / "torch/a.py").read_bytes() == data["torch/a.py"]
+    assert _inode(other_site / "torch/a.py") != _inode(base / "torch/a.py")
+    assert not list(other_site.rglob("*.prime_r3-link"))

@@ -9,14 +9,14 @@ step at 400 running requests and ~0.5-1 ms at 1000, almost all for requests wher
 nothing happens but the emit start moving one token on.
 
 *Fast* requests are those whose step changes no connector state and whose emit start
-needs no prompt start: already sent (known to ``_sent_hash_counts``), no new block hash
-to send (0.31/0.32: as many hashes as sent; 0.33: ``min(len(block_hashes), (computed +
-scheduled) // hash_block_size)`` not beyond the sent count), on 0.33 no ``_loading``
-entry to pop, and decoding past the prompt (an output token, ``num_tokens - 1 >
-num_prompt_tokens``; 0.31 also an ``int`` ``prompt_start < num_tokens - 1``), where
-upstream's emit start is exactly ``num_tokens - 1``. One lean pass finds them and their
-emit starts (a dict lookup, three lengths and an int per request, no call, no write);
-everything else is upstream's code.
+does not depend on the prompt start's value: already sent (known to
+``_sent_hash_counts``), no new block hash to send (0.31/0.32: as many hashes as sent;
+0.33: ``min(len(block_hashes), (computed + scheduled) // hash_block_size)`` not beyond
+the sent count), on 0.33 no ``_loading`` entry to pop, and decoding past the prompt (an
+output token, ``num_tokens - 1 > num_prompt_tokens``, an ``int`` prompt start; 0.31 also
+``prompt_start < num_tokens - 1``), where upstream's emit start is exactly ``num_tokens
+- 1``. One lean pass finds them and their emit starts (a dict lookup, three lengths and
+an int per request, no call, no write); everything else is upstream's code.
 
 Why a pass and not array operations: the cost of this step is touching each request's
 objects (the request, its lists, its sampling params), not arithmetic. Measured on the
@@ -49,10 +49,10 @@ connector subclass or instance overriding the hash helpers, a scheduled id missi
 ``requests``, ``sampling_params`` None or a hash history that shrank (upstream raises
 its own error with its own effects), or a step of fewer than ``MIN_BATCH`` requests.
 
-Known difference: on 0.32/0.33 a fast request's prompt start is not read (its value
-cannot change the emit start), so a ``routed_experts_prompt_start`` that does not
-compare with ints (``SamplingParams`` declares it an int) makes upstream's ``min``
-raise where we do not.
+The prompt start's type is checked on every release (an ``int``, as ``SamplingParams``
+declares it): anything else (``None``, a float) goes to upstream, whose ``min``/``max``
+then computes or raises exactly as it would (found by review: 0.32/0.33 once skipped
+the read, so ``None`` raised upstream's ``TypeError`` there and not here).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def _check(
 # returns the step's `requests` dict (the emit start of every fast request, a placeholder
 # None where upstream's value goes), the other requests in order, and their reasons.
 # A fast request is decoding past its prompt: it has an output token and
-# num_tokens - 1 > num_prompt_tokens, so upstream's emit start
+# num_tokens - 1 > num_prompt_tokens, with an int prompt start, so upstream's emit start
 # max(min(prompt_start, num_prompt_tokens), num_tokens - 1) is exactly num_tokens - 1
 # (0.31, without the min, needs prompt_start < num_tokens - 1 too). The lengths are
 # read where the anchored num_tokens / num_output_tokens properties read them.
@@ -205,7 +205,8 @@ def _scan_032(
             request = requests[request_id]
         except KeyError:
             raise _Whole from None  # upstream's KeyError, at that request
-        if request.sampling_params is None:
+        sampling = request.sampling_params
+        if sampling is None:
             raise _Whole  # upstream's assertion
         num_sent = sent_get(request_id, -1)
         num_hashes = len(request.block_hashes)
@@ -214,6 +215,7 @@ def _scan_032(
             num_sent == num_hashes
             and request._output_token_ids
             and emit > request.num_prompt_tokens
+            and type(sampling.routed_experts_prompt_start) is int
         ):
             values[request_id] = emit
             continue
@@ -273,7 +275,8 @@ def _scan_033(
             request = requests[request_id]
         except KeyError:
             raise _Whole from None
-        if request.sampling_params is None:
+        sampling = request.sampling_params
+        if sampling is None:
             raise _Whole
         num_sent = sent_get(request_id, -1)
         num_hashes = len(request.block_hashes)
@@ -287,6 +290,7 @@ def _scan_033(
             quiet
             and request._output_token_ids
             and emit > request.num_prompt_tokens
+            and type(sampling.routed_experts_prompt_start) is int
             and not (loading and request_id in loading)
         ):
             values[request_id] = emit

@@ -31,6 +31,7 @@ echo "prime_r3: setting up $VENV for vLLM $VLLM_RELEASE ($missing)" >&2
 case " $missing " in *" torch "*) "${PIP[@]}" "torch==$TORCH" ;; esac
 case " $missing " in *" vllm "*)
     wheels="$(mktemp -d)"
+    trap 'rm -rf "$wheels"' EXIT  # an interrupted setup leaves no wheel on the shared disk
     "$VENV/bin/python" -m pip download -q --no-deps -d "$wheels" "vllm==$VLLM_RELEASE"
     "$VENV/bin/python" "$ROOT/scripts/vllm_requirements.py" "$wheels"/vllm-*.whl > "$wheels/req.txt"
     echo "torch==$TORCH" > "$wheels/constraints.txt"

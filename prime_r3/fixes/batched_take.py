@@ -45,48 +45,29 @@ counts packed steps read.
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from prime_r3.fixes import batched_commit
 from prime_r3.fixes.aux_output import CONNECTOR_MODULE as _CONNECTOR
 from prime_r3.fixes.aux_output import TAKE_OUTPUT
 from prime_r3.spec import PatchSpec, Process, Target, WrapperFn
 
 
-class Counters:
+class Counters(batched_commit.Counters):
     """Requests ``take_output`` served by the slice vs by upstream, by reason.
 
-    ``take_output`` runs on EngineCore's scheduler thread only, once per emitting
-    request: the fast count and the packed-step count are plain increments there (a
-    lock per request would cost as much as the slice); fallbacks are counted under a
-    lock. ``snapshot()`` has the keys of ``batched_commit.Counters``'s, for the bench.
+    ``batched_commit``'s counters (same fields and ``snapshot()``, for the bench),
+    counted per request instead of per step: ``take_output`` runs on EngineCore's
+    scheduler thread only, once per emitting request, so the fast count and the
+    packed-step counts are plain increments there (a lock per request would cost as
+    much as the slice); fallbacks are counted under the lock.
     """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.reset()
-
-    def reset(self) -> None:
-        with self._lock:
-            self.steps = 0
-            self.fast_requests = 0
-            self.fallback_reasons: Counter[str] = Counter()
 
     def fallback(self, reason: str) -> None:
         with self._lock:
+            self.fallback_requests += 1
             self.fallback_reasons[reason] += 1
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            return {
-                "steps": self.steps,
-                "batched_steps": self.steps,
-                "fast_requests": self.fast_requests,
-                "fallback_requests": sum(self.fallback_reasons.values()),
-                "fallback_reasons": dict(self.fallback_reasons),
-            }
 
 
 COUNTERS = Counters()
@@ -109,6 +90,7 @@ def _batched_take(params: Mapping[str, Any]) -> WrapperFn:
         if index is None:
             index = output._lookup()
             counters.steps += 1
+            counters.batched_steps += 1  # every packed step read is served here
         # Upstream reads request_id first, then (for a present id) num_tokens.
         request_id = request.request_id
         try:

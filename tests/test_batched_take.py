@@ -35,7 +35,7 @@ from prime_r3 import guards  # noqa: E402
 from prime_r3.fixes import batched_take  # noqa: E402
 from prime_r3.packed import PackedAuxOutputs, _Unfilled  # noqa: E402
 from tests import batched_harness as harness  # noqa: E402
-from tests.test_packed_outputs import Req, make_step, real_vllm  # noqa: E402
+from tests.test_packed_outputs import Req, make_step, real_requests, real_vllm  # noqa: E402
 
 CONNECTOR = "vllm.distributed.aux_output_connector.connector"
 
@@ -175,20 +175,9 @@ def test_real_requests_from_the_real_scheduler(
     reverted: pytest.MonkeyPatch, transport: Callable[[Any], Any]
 ) -> None:
     """What the scheduler passes: vLLM Request objects (num_tokens, is_finished())."""
-    from vllm import SamplingParams
-    from vllm.v1.request import Request, RequestStatus
-
     _apply("packed_outputs", "batched_take")
     outputs, stubs = make_step(np.random.default_rng(9), 120)
-    params = SamplingParams(max_tokens=4)
-    requests = []
-    for stub in stubs:
-        if stub.num_tokens < 1:
-            continue
-        request = Request(stub.request_id, list(range(stub.num_tokens)), params, None)
-        if stub.finished:
-            request.status = RequestStatus.FINISHED_STOPPED
-        requests.append(request)
+    requests = real_requests(stubs)
     theirs = transport(outputs)
     ours = transport(PackedAuxOutputs.pack(outputs))
     take, reference = scheduler_take(), upstream_take()

@@ -201,12 +201,12 @@ def test_take_output_parity_direct_and_pickled(seed: int, n: int, dtype: Any, sh
         assert_writable_where_upstream_is(upstream, received, requests)
 
 
-def test_parity_with_real_vllm_requests() -> None:
-    """The stub reads what a real Request exposes; check with real ones on one step."""
+def real_requests(stubs: list[Req]) -> list[Any]:
+    """vLLM Request objects with the stubs' ids, token counts and finished state (what
+    ``take_output`` reads), checked to expose what the stubs do."""
     from vllm import SamplingParams
     from vllm.v1.request import Request, RequestStatus
 
-    outputs, stubs = make_step(np.random.default_rng(9), 80)
     params = SamplingParams(max_tokens=4)
     requests = []
     for stub in stubs:
@@ -217,6 +217,13 @@ def test_parity_with_real_vllm_requests() -> None:
             request.status = RequestStatus.FINISHED_STOPPED
         assert request.num_tokens == stub.num_tokens and request.is_finished() == stub.finished
         requests.append(request)
+    return requests
+
+
+def test_parity_with_real_vllm_requests() -> None:
+    """The stub reads what a real Request exposes; check with real ones on one step."""
+    outputs, stubs = make_step(np.random.default_rng(9), 80)
+    requests = real_requests(stubs)
     packed = pickle.loads(pickle.dumps(PackedAuxOutputs.pack(outputs), protocol=5))
     assert_parity(outputs, packed, requests)
     assert {outcome(r, outputs)[0] for r in requests} == {"rows", "none", "raise"}

@@ -73,6 +73,7 @@ from prime_r3.fixes.aux_output import (
     TAKE_OUTPUT,
     WORKER_REQUEST_STATE,
 )
+from prime_r3.fixes.aux_output import CONNECTOR_MODULE as _CONNECTOR
 from prime_r3.fixes.aux_output import ROUTED_EXPERTS_MODULE as _ROUTED_EXPERTS
 from prime_r3.fixes.aux_output import WORKER_MODULE as _WORKER
 from prime_r3.spec import Anchor, PatchSpec, Process, Target, WrapperFn
@@ -567,12 +568,12 @@ SPEC = PatchSpec(
         Anchor(_WORKER, "materialize_routed_experts", MATERIALIZE_ROUTED_EXPERTS),
         # Values we build for the dict path; the consumer of the packed path.
         Anchor(
-            "vllm.distributed.aux_output_connector.connector",
+            _CONNECTOR,
             "AuxRequestOutput",
             AUX_REQUEST_OUTPUT,
         ),
         Anchor(
-            "vllm.distributed.aux_output_connector.connector",
+            _CONNECTOR,
             "AuxOutputSchedulerConnector.take_output",
             TAKE_OUTPUT,
         ),

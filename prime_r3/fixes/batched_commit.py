@@ -489,6 +489,55 @@ def _rows_at(rows: np.ndarray, at: np.ndarray) -> np.ndarray:
     return rows.take(at, axis=0)
 
 
+def _one_run(rows: np.ndarray, pieces: list[Any]) -> np.ndarray | None:
+    """The rows ``pieces`` concatenate to, as one slice view of ``rows``, when they are
+    consecutive runs of ``rows`` in order (the common step with fallback requests: the
+    fast rows, then a final prefill chunk's rows, which upstream returned as a view of
+    the snapshot); else None (the caller concatenates, as before).
+
+    Placement is read from the views' data pointers, inside ``rows``' own bounds; every
+    piece must have ``rows``' dtype and row shape, so a piece ``np.concatenate(...,
+    casting="no")`` would refuse still goes there and raises as it did.
+    """
+    if not rows.flags.c_contiguous or rows.ndim == 0:
+        return None
+    root = _root(rows)
+    row_shape, dtype = rows.shape[1:], rows.dtype
+    row_nbytes = rows.itemsize * int(np.prod(row_shape, dtype=np.int64))
+    base = rows.__array_interface__["data"][0]
+    begin = expect = None
+    total = 0
+    for piece in pieces:
+        if (
+            type(piece) is not np.ndarray
+            or piece.ndim != rows.ndim
+            or piece.dtype != dtype
+            or piece.shape[1:] != row_shape
+            or not piece.flags.c_contiguous
+        ):
+            return None
+        if not len(piece):
+            continue
+        if _root(piece) is not root:
+            return None
+        at = piece.__array_interface__["data"][0]
+        if expect is None:
+            begin, expect = at, at
+        if at != expect:
+            return None
+        expect = at + piece.nbytes
+        total += len(piece)
+    if begin is None or row_nbytes == 0:
+        return None
+    offset = begin - base
+    if offset < 0 or offset % row_nbytes:
+        return None
+    first = offset // row_nbytes
+    if first + total > len(rows):
+        return None
+    return rows[first : first + total]
+
+
 def _packed(
     packed_cls: Any,
     ids: list[str],
@@ -528,11 +577,16 @@ def _packed(
             strict=True,
         ):
             if cut > previous:
-                chunk = fast[previous:cut]
-                out_ids.extend(_pick(ids, chunk))
-                starts_list.extend(token_starts[chunk].tolist())
+                first, last = fast[previous], fast[cut - 1]
+                if last - first == cut - previous - 1:  # consecutive positions: slices
+                    out_ids.extend(ids[first : last + 1])
+                    starts_list.extend(token_starts[first : last + 1].tolist())
+                else:
+                    chunk = fast[previous:cut]
+                    out_ids.extend(_pick(ids, chunk))
+                    starts_list.extend(token_starts[chunk].tolist())
                 pieces.append(_rows_at(rows, fast_rows[previous:cut]))
-                lengths.extend([1] * len(chunk))
+                lengths.extend(repeat(1, cut - previous))
                 previous = cut
             if request_id is not None:
                 out_ids.append(request_id)
@@ -542,7 +596,9 @@ def _packed(
         out_starts = np.asarray(starts_list, dtype=np.int64)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        out_rows = np.concatenate(pieces, axis=0, dtype=rows.dtype, casting="no")
+        out_rows = _one_run(rows, pieces)
+        if out_rows is None:
+            out_rows = np.concatenate(pieces, axis=0, dtype=rows.dtype, casting="no")
     joined: str | None = _SEPARATOR.join(out_ids)
     if joined.count(_SEPARATOR) != len(out_ids) - 1:
         joined = None

@@ -313,9 +313,15 @@ def _select(
     block_size = buffer.block_size
     tails = buffer._requests
     free_slots = buffer._free_slots
-    cand = candidates.tolist()
-    cand_ids = _pick(ids, cand)
-    starts = token_starts[candidates].astype(np.int64)
+    first = int(candidates[0])
+    if int(candidates[-1]) - first + 1 == m:  # one run (decodes before prefills): slices
+        cand = list(range(first, first + m))
+        cand_ids = ids[first : first + m]
+        starts = token_starts[first : first + m].astype(np.int64)
+    else:
+        cand = candidates.tolist()
+        cand_ids = _pick(ids, cand)
+        starts = token_starts[candidates].astype(np.int64)
     starts_list = starts.tolist()
     states = list(map(connector._requests.get, cand_ids, repeat(_MISSING, m)))
     captures = [state.capture_cursor for state in states]
@@ -566,10 +572,16 @@ def _packed(
     else:
         # Merge the fast rows with upstream's direct outputs by batch position, then
         # upstream's materialised ones: the order upstream's dict has.
-        fast_arr = np.asarray(fast, dtype=np.int64)
-        cuts = np.searchsorted(fast_arr, [j for j, _, _ in direct]).tolist()
-        out_ids, starts_list, pieces, lengths = [], [], [], []
-        previous = 0
+        cuts = (
+            np.searchsorted(np.asarray(fast, dtype=np.int64), [j for j, _, _ in direct]).tolist()
+            if direct
+            else []
+        )
+        # Fast requests' starts stay arrays (slices of token_starts); the few outputs
+        # from upstream are placed among them by position (no per-request int list).
+        out_ids, start_parts, pieces = [], [], []
+        extra_at, extra_starts, extra_lengths = [], [], []
+        count = previous = 0
         extra = [(None, request_id, output) for request_id, output in materialised]
         for cut, (_, request_id, output) in zip(
             [*cuts, len(fast)] + [len(fast)] * len(extra),
@@ -580,21 +592,29 @@ def _packed(
                 first, last = fast[previous], fast[cut - 1]
                 if last - first == cut - previous - 1:  # consecutive positions: slices
                     out_ids.extend(ids[first : last + 1])
-                    starts_list.extend(token_starts[first : last + 1].tolist())
+                    start_parts.append(token_starts[first : last + 1])
                 else:
                     chunk = fast[previous:cut]
                     out_ids.extend(_pick(ids, chunk))
-                    starts_list.extend(token_starts[chunk].tolist())
+                    start_parts.append(token_starts[chunk])
                 pieces.append(_rows_at(rows, fast_rows[previous:cut]))
-                lengths.extend(repeat(1, cut - previous))
+                count += cut - previous
                 previous = cut
             if request_id is not None:
                 out_ids.append(request_id)
-                starts_list.append(int(output.token_start))
+                extra_at.append(count)
+                extra_starts.append(int(output.token_start))
+                extra_lengths.append(len(output.rows))
                 pieces.append(output.rows)
-                lengths.append(len(output.rows))
-        out_starts = np.asarray(starts_list, dtype=np.int64)
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+                count += 1
+        out_starts = np.empty(count, dtype=np.int64)
+        lengths = np.ones(count, dtype=np.int64)
+        is_fast = np.ones(count, dtype=bool)
+        is_fast[extra_at] = False
+        out_starts[is_fast] = np.concatenate(start_parts)
+        out_starts[extra_at] = extra_starts
+        lengths[extra_at] = extra_lengths
+        offsets = np.zeros(count + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         out_rows = _one_run(rows, pieces)
         if out_rows is None:

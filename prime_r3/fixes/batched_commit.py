@@ -213,10 +213,12 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
             return _upstream_step(wrapped, args, kwargs, pending)
         fast, fallback, slots, locals_, published, published_at = selected
         buffer_rows = instance._buffer._rows
-        fast_rows = qsl[fast]
+        if fast[-1] - fast[0] + 1 == len(fast):  # one run: a view, no list conversion
+            fast_rows = qsl[fast[0] : fast[-1] + 1]
+        else:
+            fast_rows = qsl[fast]
         buffer_rows[slots, locals_] = _rows_at(rows, fast_rows)
 
-        starts = token_starts.tolist()
         if len(fast) + len(fallback) != n:
             if not decode.all():
                 not_decode = ~decode
@@ -252,6 +254,7 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
                 PackedAuxOutputs, ids, token_starts, rows, fast, fast_rows, direct, materialised
             )
         outputs: dict[str, Any] = {}
+        starts = token_starts.tolist()
         merged = (
             sorted([(j, ids[j], None) for j in fast] + direct, key=operator.itemgetter(0))
             if direct

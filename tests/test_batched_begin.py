@@ -164,3 +164,38 @@ def test_in_flight_emit_ahead_stays_fast(reverted: pytest.MonkeyPatch) -> None:
     # First metadata: both new (upstream's loop); second: both checked here.
     assert counts["fallback_reasons"] == {"new": 2}, counts
     assert counts["fast_requests"] == 2, counts
+
+
+@pytest.mark.parametrize("new_at", [(0, 17), (0, 3, 9, 17, 25, 33, 40, 41)], ids=["few", "many"])
+def test_new_requests_among_known_ones_keep_the_scheduler_order(
+    reverted: pytest.MonkeyPatch, new_at: tuple[int, ...]
+) -> None:
+    """New requests anywhere among the known ones (a few: found by position; many: one
+    pass) reach upstream in the scheduler's order, so the worker's states are made in
+    upstream's order with upstream's values; a known one ahead of its settled cursor
+    still hands the whole metadata to upstream, new ones or not."""
+    _apply("batched_begin")
+    batched_begin.COUNTERS.reset()
+    known = {f"k{i}": i for i in range(40)}
+    order = list(known)
+    for at in new_at:
+        order.insert(at, f"n{at}")
+    requests = {r: known.get(r, 5) for r in order}
+    ends, errors = {}, {}
+    for reference in (True, False):
+        connector = harness.make_connector(harness.Shape(max_num_seqs=64), reference)
+        connector.begin_step(AuxOutputConnectorMetadata(0, known, {}, ()))
+        connector.begin_step(AuxOutputConnectorMetadata(0, requests, {}, ()))
+        ends[reference] = [(r, vars(s)) for r, s in connector._requests.items()]
+        ahead = {**requests, "k7": 8}  # settled, emit start ahead of its cursor
+        try:
+            connector.begin_step(AuxOutputConnectorMetadata(0, ahead, {}, ()))
+        except AssertionError as error:
+            errors[reference] = str(error)
+        connector.close()
+    assert ends[True] == ends[False]
+    assert [r for r, _ in ends[False]][40:] == [r for r in order if r.startswith("n")]
+    assert errors[True] == errors[False] == "auxiliary output Scheduler emit cursor moved ahead"
+    counts = batched_begin.COUNTERS.snapshot()
+    assert counts["fallback_reasons"] == {"new": 40 + len(new_at), "step": 40 + len(new_at)}
+    assert counts["fast_requests"] == 40, counts

@@ -246,3 +246,90 @@ def test_a_key_completed_twice_in_one_step_keeps_upstreams_payload(
     assert expected[0] == [9, 9, 9, 9] and expected[1]["C"] == [9, 9, 9, 9, 5]
     counts = batched_commit.COUNTERS.snapshot()
     assert counts["fast_requests"] >= 1 and counts["fallback_requests"] >= 1  # both paths
+
+
+def _decode_step(
+    reference: bool, packed: bool, prefill: bool = False
+) -> tuple[dict[str, Any], int, np.ndarray, Any]:
+    """One decode step of 64 known requests (rows of 4 KiB) on a real connector, with
+    ``prefill`` a new request's 8-token prompt after them (upstream's fallback, whose
+    output is a view of the snapshot): (outputs and buffered tails as lists, peak bytes
+    traced during process_output, the snapshot, the packed rows a pickle would send or
+    None for a dict)."""
+    import tracemalloc
+
+    from prime_r3.packed import FORMAT_VERSION, READS_MARK
+
+    n, block = 64, 4
+    shape = harness.Shape(block=block, token_shape=(256, 8), max_num_seqs=n, max_batched_tokens=n)
+    connector = harness.make_connector(shape, reference)
+    ids = [f"r{i}" for i in range(n)]
+    starts = [block * i + i % block for i in range(n)]  # tails of every length, some new
+    metadata = AuxOutputConnectorMetadata(0, dict(zip(ids, starts, strict=True)), {}, ())
+    if prefill:
+        metadata.requests["p"] = 0
+    if packed:
+        setattr(metadata, READS_MARK, FORMAT_VERSION)
+    connector.begin_step(metadata)
+    rng = np.random.default_rng(5)
+    for request_id, start in zip(ids, starts, strict=True):
+        state = connector._requests[request_id]
+        state.capture_cursor = state.scheduled_cursor = state.emit_cursor = start
+        if start % block:  # a buffered tail up to the token start
+            tail = rng.integers(0, 1 << 16, (start % block, 256, 8), dtype=np.uint16)
+            connector._buffer.capture(request_id, start - start % block, tail)
+        state.pending_outputs += 1
+    qsl = list(range(n + 1))
+    if prefill:
+        connector._requests["p"].pending_outputs += 1
+        ids, starts, qsl = [*ids, "p"], [*starts, 0], [*qsl, n + 8]
+    snapshot = rng.integers(0, 1 << 16, (qsl[-1], 256, 8), dtype=np.uint16)
+    pending = aux_worker.PendingAuxOutput(
+        connector=connector,
+        request_ids=ids,
+        token_starts=np.array(starts, dtype=np.int32),
+        query_start_loc=np.array(qsl, dtype=np.int32),
+        routed_experts_gpu=None,
+        routed_experts=snapshot,
+        num_sampled=np.ones(len(ids), dtype=np.int32),
+        num_rejected=np.zeros(len(ids), dtype=np.int32),
+    )
+    connector._pending_outputs.append(pending)
+    tracemalloc.start()
+    try:
+        result = connector.process_output(pending)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # What a pickle would send (read before any dict access fills the step).
+    sent = result.rows if isinstance(result, PackedAuxOutputs) else None
+    outputs = {r: (int(o.token_start), o.rows.tolist()) for r, o in result.items()}
+    tails = {r: (t.block_start, t.length) for r, t in connector._buffer._requests.items()}
+    buffered = {r: connector._buffer.read(r, b, b + k).tolist() for r, (b, k) in tails.items()}
+    connector.close()
+    return {"outputs": outputs, "buffered": buffered}, peak, snapshot, sent
+
+
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "with_prefill"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dict", "packed"])
+def test_a_decode_step_allocates_no_step_sized_array(
+    reverted: pytest.MonkeyPatch, packed: bool, prefill: bool
+) -> None:
+    """The common step writes its rows into the buffer from a view of the snapshot and,
+    packed, sends a view of it (also when a prefill's rows, upstream's view, follow the
+    fast rows): no step-sized array is allocated and freed per step (before: a gather
+    temporary for the buffer write and a copy or concatenation for the packed rows, each
+    the step's size; ~150 KB at N=400, i.e. an mmap and page faults every step)."""
+    expected, _, _, _ = _decode_step(reference=True, packed=packed, prefill=prefill)
+    _apply("packed_outputs", "batched_commit")
+    batched_commit.COUNTERS.reset()
+    ours, peak, snapshot, sent = _decode_step(reference=False, packed=packed, prefill=prefill)
+    assert ours == expected and ("p" in ours["outputs"]) is prefill
+    counts = batched_commit.COUNTERS.snapshot()
+    assert counts["fast_requests"] == 64
+    reasons = {reason: count for reason, count in counts["fallback_reasons"].items() if count}
+    assert reasons == ({"multi_token": 1} if prefill else {}), counts
+    assert (sent is not None) is packed
+    if packed:
+        assert np.shares_memory(sent, snapshot) and np.array_equal(sent, snapshot)
+    assert peak < snapshot.nbytes // 4, (peak, snapshot.nbytes)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Mapping
+from itertools import repeat
 from typing import Any
 
 from prime_r3.fixes.aux_output import (
@@ -80,11 +81,13 @@ def _trim(connector: Any, metadata: Any) -> tuple[int, Any] | None:
         return None
     states = connector._requests
     unknown = scheduled.keys() - states.keys()
-    known_ids = list(scheduled) if not unknown else [r for r in scheduled if r not in unknown]
-    k = len(known_ids)
+    k = len(scheduled) - len(unknown)
     if k:
-        known = list(map(states.__getitem__, known_ids))
-        emits = list(scheduled.values()) if not unknown else [scheduled[r] for r in known_ids]
+        # One pass over the scheduler's order; an unknown request reads as _NEW, which
+        # passes (upstream makes its state with emit_cursor = emit_start and nothing in
+        # flight, so its check holds), so no list of known ids is built per step.
+        known = list(map(states.get, scheduled, repeat(_NEW)))
+        emits = list(scheduled.values())
         # Upstream's predicate (emit_start <= emit_cursor) on Python values, in one C
         # pass; only when it fails somewhere does it matter whether a step is in flight.
         # Comprehensions, not attrgetter maps: CPython 3.11's specialised attribute reads
@@ -97,7 +100,7 @@ def _trim(connector: Any, metadata: Any) -> tuple[int, Any] | None:
             ]
         ):
             return None  # upstream's assertion, with upstream's effects before it
-    new_requests = {r: e for r, e in scheduled.items() if r in unknown} if unknown else {}
+    new_requests = _in_order(scheduled, unknown) if unknown else {}
     trimmed = dataclasses.replace(metadata, requests=new_requests)
     # Attributes beyond the dataclass fields (packed_outputs' reader declaration, which
     # EngineCore sets) go with the copy: upstream stores it as the step's metadata while
@@ -106,6 +109,35 @@ def _trim(connector: Any, metadata: Any) -> tuple[int, Any] | None:
     extra = {k: v for k, v in getattr(metadata, "__dict__", {}).items() if k not in fields}
     trimmed.__dict__.update(extra)
     return k, trimmed
+
+
+class _Passes:
+    """A cursor every emit start is ``<=`` to, whatever its type (no check of a new
+    request can fail or raise here; upstream checks it against its own start)."""
+
+    def __ge__(self, other: object) -> bool:
+        return True
+
+
+class _New:
+    """Stands in for a request the worker does not know yet in the settled check."""
+
+    emit_cursor = _Passes()  # passes, as upstream's fresh state (cursor = start) does
+    pending_outputs = 1  # never "settled": the second pass skips it
+
+
+_NEW = _New()
+
+
+def _in_order(scheduled: dict[str, Any], unknown: set[str]) -> dict[str, Any]:
+    """``{r: e for r, e in scheduled.items() if r in unknown}``: upstream creates the new
+    states in the scheduler's order. A few new requests among many (the common step)
+    are found by position (``list.index``: C compares, identity first) instead of a
+    Python pass over every scheduled request."""
+    if len(unknown) * 16 > len(scheduled):
+        return {r: e for r, e in scheduled.items() if r in unknown}
+    keys = list(scheduled)
+    return {keys[i]: scheduled[keys[i]] for i in sorted(map(keys.index, unknown))}
 
 
 # Verified source fingerprints (scripts/fingerprint.py): begin_step is identical in vLLM

@@ -213,10 +213,12 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
             return _upstream_step(wrapped, args, kwargs, pending)
         fast, fallback, slots, locals_, published, published_at = selected
         buffer_rows = instance._buffer._rows
-        fast_rows = qsl[fast]
-        buffer_rows[slots, locals_] = rows[fast_rows]
+        if fast[-1] - fast[0] + 1 == len(fast):  # one run: a view, no list conversion
+            fast_rows = qsl[fast[0] : fast[-1] + 1]
+        else:
+            fast_rows = qsl[fast]
+        buffer_rows[slots, locals_] = _rows_at(rows, fast_rows)
 
-        starts = token_starts.tolist()
         if len(fast) + len(fallback) != n:
             if not decode.all():
                 not_decode = ~decode
@@ -252,6 +254,7 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
                 PackedAuxOutputs, ids, token_starts, rows, fast, fast_rows, direct, materialised
             )
         outputs: dict[str, Any] = {}
+        starts = token_starts.tolist()
         merged = (
             sorted([(j, ids[j], None) for j in fast] + direct, key=operator.itemgetter(0))
             if direct
@@ -313,9 +316,15 @@ def _select(
     block_size = buffer.block_size
     tails = buffer._requests
     free_slots = buffer._free_slots
-    cand = candidates.tolist()
-    cand_ids = _pick(ids, cand)
-    starts = token_starts[candidates].astype(np.int64)
+    first = int(candidates[0])
+    if int(candidates[-1]) - first + 1 == m:  # one run (decodes before prefills): slices
+        cand = list(range(first, first + m))
+        cand_ids = ids[first : first + m]
+        starts = token_starts[first : first + m].astype(np.int64)
+    else:
+        cand = candidates.tolist()
+        cand_ids = _pick(ids, cand)
+        starts = token_starts[candidates].astype(np.int64)
     starts_list = starts.tolist()
     states = list(map(connector._requests.get, cand_ids, repeat(_MISSING, m)))
     captures = [state.capture_cursor for state in states]
@@ -478,6 +487,66 @@ def _sub_step(
     return sub, sub_rows
 
 
+def _rows_at(rows: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """``rows[at]`` for increasing positions ``at``: a slice view when they are one
+    contiguous run (the common step), so no step-sized temporary is allocated and
+    freed each step (~150 KB at N=400: above glibc's mmap threshold, i.e. an mmap,
+    page faults and an munmap per step); else one gather."""
+    first = int(at[0])
+    if int(at[-1]) - first + 1 == len(at):
+        return rows[first : first + len(at)]
+    return rows.take(at, axis=0)
+
+
+def _one_run(rows: np.ndarray, pieces: list[Any]) -> np.ndarray | None:
+    """The rows ``pieces`` concatenate to, as one slice view of ``rows``, when they are
+    consecutive runs of ``rows`` in order (the common step with fallback requests: the
+    fast rows, then a final prefill chunk's rows, which upstream returned as a view of
+    the snapshot); else None (the caller concatenates, as before).
+
+    Placement is read from the views' data pointers, inside ``rows``' own bounds; every
+    piece must have ``rows``' dtype and row shape, so a piece ``np.concatenate(...,
+    casting="no")`` would refuse still goes there and raises as it did.
+    """
+    if not rows.flags.c_contiguous or rows.ndim == 0:
+        return None
+    root = _root(rows)
+    row_shape, dtype = rows.shape[1:], rows.dtype
+    row_nbytes = rows.itemsize * int(np.prod(row_shape, dtype=np.int64))
+    base = rows.__array_interface__["data"][0]
+    begin = expect = None
+    total = 0
+    for piece in pieces:
+        if (
+            type(piece) is not np.ndarray
+            or piece.ndim != rows.ndim
+            or piece.dtype != dtype
+            or piece.shape[1:] != row_shape
+            or not piece.flags.c_contiguous
+        ):
+            return None
+        if not len(piece):
+            continue
+        if _root(piece) is not root:
+            return None
+        at = piece.__array_interface__["data"][0]
+        if expect is None:
+            begin, expect = at, at
+        if at != expect:
+            return None
+        expect = at + piece.nbytes
+        total += len(piece)
+    if begin is None or row_nbytes == 0:
+        return None
+    offset = begin - base
+    if offset < 0 or offset % row_nbytes:
+        return None
+    first = offset // row_nbytes
+    if first + total > len(rows):
+        return None
+    return rows[first : first + total]
+
+
 def _packed(
     packed_cls: Any,
     ids: list[str],
@@ -496,17 +565,26 @@ def _packed(
             out_ids = list(operator.itemgetter(*fast)(ids)) if len(fast) > 1 else [ids[fast[0]]]
             out_starts = token_starts[fast].astype(np.int64)
         offsets = np.arange(len(fast) + 1, dtype=np.int64)
-        if fast_rows[-1] - fast_rows[0] + 1 == len(fast):  # contiguous: one slice copy
-            out_rows = rows[int(fast_rows[0]) : int(fast_rows[-1]) + 1].copy()
-        else:
-            out_rows = rows.take(fast_rows, axis=0)
+        # The common step: a view of the snapshot, as upstream's own values are (it is
+        # this step's fresh copy, written by nobody after the capture, and a view keeps
+        # alive exactly what upstream's per-request views keep alive). Pickling copies
+        # it out of band; an unfilled reader copies each request's rows out of it.
+        out_rows = _rows_at(rows, fast_rows)
+        if not out_rows.flags.c_contiguous:
+            out_rows = np.ascontiguousarray(out_rows)
     else:
         # Merge the fast rows with upstream's direct outputs by batch position, then
         # upstream's materialised ones: the order upstream's dict has.
-        fast_arr = np.asarray(fast, dtype=np.int64)
-        cuts = np.searchsorted(fast_arr, [j for j, _, _ in direct]).tolist()
-        out_ids, starts_list, pieces, lengths = [], [], [], []
-        previous = 0
+        cuts = (
+            np.searchsorted(np.asarray(fast, dtype=np.int64), [j for j, _, _ in direct]).tolist()
+            if direct
+            else []
+        )
+        # Fast requests' starts stay arrays (slices of token_starts); the few outputs
+        # from upstream are placed among them by position (no per-request int list).
+        out_ids, start_parts, pieces = [], [], []
+        extra_at, extra_starts, extra_lengths = [], [], []
+        count = previous = 0
         extra = [(None, request_id, output) for request_id, output in materialised]
         for cut, (_, request_id, output) in zip(
             [*cuts, len(fast)] + [len(fast)] * len(extra),
@@ -514,21 +592,36 @@ def _packed(
             strict=True,
         ):
             if cut > previous:
-                chunk = fast[previous:cut]
-                out_ids.extend(_pick(ids, chunk))
-                starts_list.extend(token_starts[chunk].tolist())
-                pieces.append(rows.take(fast_rows[previous:cut], axis=0))
-                lengths.extend([1] * len(chunk))
+                first, last = fast[previous], fast[cut - 1]
+                if last - first == cut - previous - 1:  # consecutive positions: slices
+                    out_ids.extend(ids[first : last + 1])
+                    start_parts.append(token_starts[first : last + 1])
+                else:
+                    chunk = fast[previous:cut]
+                    out_ids.extend(_pick(ids, chunk))
+                    start_parts.append(token_starts[chunk])
+                pieces.append(_rows_at(rows, fast_rows[previous:cut]))
+                count += cut - previous
                 previous = cut
             if request_id is not None:
                 out_ids.append(request_id)
-                starts_list.append(int(output.token_start))
+                extra_at.append(count)
+                extra_starts.append(int(output.token_start))
+                extra_lengths.append(len(output.rows))
                 pieces.append(output.rows)
-                lengths.append(len(output.rows))
-        out_starts = np.asarray(starts_list, dtype=np.int64)
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+                count += 1
+        out_starts = np.empty(count, dtype=np.int64)
+        lengths = np.ones(count, dtype=np.int64)
+        is_fast = np.ones(count, dtype=bool)
+        is_fast[extra_at] = False
+        out_starts[is_fast] = np.concatenate(start_parts)
+        out_starts[extra_at] = extra_starts
+        lengths[extra_at] = extra_lengths
+        offsets = np.zeros(count + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        out_rows = np.concatenate(pieces, axis=0, dtype=rows.dtype, casting="no")
+        out_rows = _one_run(rows, pieces)
+        if out_rows is None:
+            out_rows = np.concatenate(pieces, axis=0, dtype=rows.dtype, casting="no")
     joined: str | None = _SEPARATOR.join(out_ids)
     if joined.count(_SEPARATOR) != len(out_ids) - 1:
         joined = None

@@ -225,7 +225,7 @@ def _peel(obj: Any, ours_ok: bool) -> tuple[Any, list[Any]]:
     layers: list[Any] = []
     while len(layers) < 64:  # a __wrapped__ cycle ends here, as too many layers
         if ours_ok and state.is_object_patched(obj):
-            obj = obj.__wrapped__
+            obj = state.inner_of(obj)  # what our layer calls (by identity, any kind)
         elif type(obj) in (staticmethod, classmethod):  # both have __wrapped__ since 3.10
             obj = obj.__func__
         elif isinstance(obj, wrapt.ObjectProxy) or hasattr(obj, "__wrapped__"):

@@ -431,7 +431,7 @@ def _install_units(
         wrappers[plan.key], inner = plan.rebuilt.pop(spec.name)
         if inner is not None:
             inners[plan.key] = inner
-        functions[plan.key] = plan.function
+        functions[plan.key] = plan.builder
         for other, (wrapper, other_inner) in plan.rebuilt.items():
             state.replace_wrapper(other, plan.key, wrapper, other_inner)
     state.add_wrappers(spec.name, wrappers, functions, inners)
@@ -452,7 +452,7 @@ class _Stack:
     #: Upstream's object under every wrapper.
     original: Any
     #: The new patch's builder (kept to rebuild its wrapper later).
-    function: _Builder
+    builder: _Builder
 
 
 @dataclass(frozen=True)

@@ -264,6 +264,40 @@ def test_reverting_either_leaves_the_other_exact(registry, inner, outer, first) 
     assert state.active_wrappers("inner") is None and state.active_wrappers("outer") is None
 
 
+def test_a_plain_layer_that_cannot_be_rebuilt_keeps_the_stack_as_it_is(registry) -> None:  # noqa: ANN001
+    """Reverting ``inner`` must rebuild ``outer``'s plain function around upstream's; if
+    its factory fails then, nothing changes and ``inner`` is reported kept."""
+    builds = []
+    plain = _factory("outer", lambda r: r * 10, Calling.PLAIN)
+
+    def once(params):  # noqa: ANN001, ANN202
+        make = plain(params)
+
+        def build(inner):  # noqa: ANN001, ANN202
+            builds.append(inner)
+            if len(builds) > 1:
+                raise RuntimeError("no second build")
+            return make(inner)
+
+        return build
+
+    outer = _spec(
+        "outer", Target(MOD, "Store.put", _fp(fake_upstream.Store.put), once, calling=Calling.PLAIN)
+    )
+    inner = _spec("inner", _put_target("inner", lambda r: r + 1, Calling.WRAPT))
+    registry.set((inner, outer))
+    original = _live()
+    layer.apply()
+    top = _live()
+    outcome = layer.revert(["inner"]).outcome("inner")
+    assert outcome.state == layer.KEPT and "no second build" in outcome.reason
+    assert _live() is top and state.wrapped_by(top) == ("outer", "inner")
+    _assert_stacked(original, Calling.WRAPT, Calling.PLAIN)
+    assert layer.revert(["outer"]).outcome("outer").state == layer.REVERTED
+    assert layer.revert(["inner"]).outcome("inner").state == layer.REVERTED
+    assert _live() is original
+
+
 # -- other layers: recognised by identity, never taken for ours --------------------------
 
 

@@ -524,11 +524,9 @@ def _insert(name: str, target: Target, resolved: guards.Resolved, builder: _Buil
     found, original = state.layers(resolved.raw)
     if found and state.unwrap_ours(resolved.raw) is None:
         raise LookupError(f"{target.key}: a layer that is not prime_r3's is under our wrappers")
-    if builder.calling is Calling.PLAIN and type(original) is not types.FunctionType:
-        raise LookupError(
-            f"{target.key}: calling=plain needs upstream's plain function, found "
-            f"{type(original).__name__}"
-        )
+    why = guards.needs_function(target, type(original).__name__)  # the guards' backstop
+    if why is not None:
+        raise LookupError(why)
     rank = _rank(name)
     outside = 0
     while outside < len(found) and _rank(found[outside][0]) > rank:

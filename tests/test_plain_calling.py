@@ -27,6 +27,7 @@ from tests import fake_layers, fake_upstream
 
 MOD = "tests.fake_upstream"
 PUT = f"{MOD}:Store.put"
+LAZY = "tests.fake_lazy_upstream"
 #: (patch, whether the call reached it with the Store instance as ``self``/instance).
 CALLS: list[tuple[str, bool]] = []
 
@@ -181,22 +182,35 @@ def test_calling_must_be_a_calling_member() -> None:
     assert "Calling.WRAPT, Calling.PLAIN" in message
 
 
-def test_plain_needs_a_plain_function_target(registry) -> None:  # noqa: ANN001
-    """A staticmethod cannot take a plain function in its place: rolled back, with why."""
-    static = fake_upstream.Tools.__dict__["scale"]
+@pytest.mark.parametrize("loaded", [True, False], ids=["loaded", "from-file"])
+def test_plain_needs_a_plain_function_target(registry, loaded: bool) -> None:  # noqa: ANN001
+    """A staticmethod cannot take a plain function in its place. The guards say so, so
+    status() and apply() agree, with the reason: from the live object in a loaded
+    module, from the decorators in the file of one not imported yet."""
+    from tests.test_deferred import _fp as file_fp
+    from tests.test_deferred import _unimport
 
     def factory(params):  # noqa: ANN001, ANN202
         return lambda inner: lambda x: inner(x)
 
-    target = Target(
-        MOD, "Tools.scale", _fp(fake_upstream.Tools.scale), factory, calling=Calling.PLAIN
-    )
+    if loaded:
+        module, fp = MOD, _fp(fake_upstream.Tools.scale)
+    else:
+        _unimport()
+        module, fp = LAZY, file_fp("fake_lazy_upstream.py", "Tools.scale")
+    target = Target(module, "Tools.scale", fp, factory, calling=Calling.PLAIN)
     registry.set((_spec("static", target),))
-    outcome = layer.apply().outcome("static")
-    assert outcome.state == layer.SKIPPED and "rolled back" in outcome.reason
-    assert "calling=plain needs upstream's plain function, found staticmethod" in outcome.reason
-    assert fake_upstream.Tools.__dict__["scale"] is static
+    why = f"target {module}:Tools.scale: calling=plain needs upstream's plain function, found"
+    would = layer.status().outcome("static")
+    assert would.state == layer.SKIPPED and would.reason == f"{why} staticmethod"
+    did = layer.apply().outcome("static")
+    assert (did.state, did.reason) == (would.state, would.reason)
     assert state.active_wrappers("static") is None
+    if loaded:
+        assert isinstance(vars(fake_upstream.Tools)["scale"], staticmethod)
+    else:
+        assert LAZY not in sys.modules  # refused from the file: nothing imported, no hook
+        _unimport()
 
 
 def test_a_factory_that_returns_no_plain_function_is_rolled_back(registry) -> None:  # noqa: ANN001
@@ -209,9 +223,6 @@ def test_a_factory_that_returns_no_plain_function_is_rolled_back(registry) -> No
     outcome = layer.apply().outcome("bad")
     assert outcome.state == layer.SKIPPED and "must return a new plain function" in outcome.reason
     assert _live() is original and state.active_wrappers("bad") is None
-
-
-# -- stacked with other patches on the same target ---------------------------------------
 
 
 @pytest.mark.parametrize(("inner", "outer"), KINDS)
@@ -397,9 +408,6 @@ def test_an_anchor_sees_through_a_plain_layer_but_not_a_foreign_clone(registry) 
 
 
 # -- targets in modules imported after apply() ---------------------------------------
-
-
-LAZY = "tests.fake_lazy_upstream"
 
 
 @pytest.mark.parametrize(("inner", "outer"), KINDS)

@@ -23,6 +23,7 @@ other targets too. Until then the patch is reported as pending import.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 import os
@@ -413,9 +414,9 @@ def _install_units(
             resolved = guards.resolve(target)
             if isinstance(resolved, str):
                 raise LookupError(resolved)
-            builder = _Builder(
-                target.calling, target.make_wrapper(params), isinstance(resolved.owner, type)
-            )
+            made = target.make_wrapper(params)
+            _check_made(target, made)
+            builder = _Builder(target.calling, made, isinstance(resolved.owner, type))
             planned.append(_insert(spec.name, target, resolved, builder))
         for plan in planned:
             setattr(plan.resolved.owner, plan.resolved.name, plan.top)
@@ -475,6 +476,32 @@ class _Builder:
         if self.calling is Calling.WRAPT:
             return wrapt.FunctionWrapper(inner, self.made), None
         return _plain_layer(self.made, inner, self.on_class), inner
+
+
+#: What wrapt passes a wrapper on every call, positionally.
+_WRAPT_CALL = (None, None, (), {})
+
+
+def _check_made(target: Target, made: Any) -> None:
+    """Refuse a ``make_wrapper`` product of the other kind than ``target.calling``.
+
+    wrapt calls a wrapper only when the target is called, so a ``PlainFactory`` left
+    on a ``Calling.WRAPT`` target (``calling=`` forgotten) would install and raise
+    inside vLLM's loop. The product's signature tells the kinds apart without a
+    second declaration to forget: a wrapt wrapper takes ``(wrapped, instance, args,
+    kwargs)``, a ``PlainFactory`` takes the one callable it wraps.
+    """
+    if target.calling is Calling.WRAPT:
+        call, wants = _WRAPT_CALL, "a wrapt wrapper (wrapped, instance, args, kwargs)"
+    else:
+        call, wants = (None,), "a PlainFactory taking the callable it wraps"
+    try:
+        inspect.signature(made).bind(*call)
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"{target.key}: calling={target.calling.value} needs make_wrapper to return "
+            f"{wants}, got {made!r} ({error})"
+        ) from None
 
 
 def _plain_layer(factory: Any, inner: Any, on_class: bool) -> types.FunctionType:

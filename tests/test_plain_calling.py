@@ -225,6 +225,41 @@ def test_a_factory_that_returns_no_plain_function_is_rolled_back(registry) -> No
     assert _live() is original and state.active_wrappers("bad") is None
 
 
+def _plain_style(params):  # noqa: ANN001, ANN202
+    return _factory("p", lambda r: r + 1, Calling.PLAIN)(params)
+
+
+def _wrapt_style(params):  # noqa: ANN001, ANN202
+    return _factory("p", lambda r: r + 1, Calling.WRAPT)(params)
+
+
+@pytest.mark.parametrize(
+    ("factory", "calling", "wants"),
+    [
+        (_plain_style, Calling.WRAPT, "a wrapt wrapper (wrapped, instance, args, kwargs)"),
+        (_wrapt_style, Calling.PLAIN, "a PlainFactory taking the callable it wraps"),
+    ],
+    ids=["plain-factory-declared-wrapt", "wrapt-wrapper-declared-plain"],
+)
+def test_a_wrapper_of_the_other_kind_is_refused_at_apply(registry, factory, calling, wants) -> None:  # noqa: ANN001
+    """A plain factory on a Target that forgot ``calling=Calling.PLAIN`` would install
+    (wrapt calls it only when the target is called) and raise inside vLLM's loop."""
+    registry.set(
+        (
+            _spec(
+                "p",
+                Target(MOD, "Store.put", _fp(fake_upstream.Store.put), factory, calling=calling),
+            ),
+        )
+    )
+    original = _live()
+    outcome = layer.apply().outcome("p")
+    assert outcome.state == layer.SKIPPED and "rolled back" in outcome.reason
+    assert f"calling={calling.value} needs make_wrapper to return {wants}" in outcome.reason
+    assert _live() is original and state.active_wrappers("p") is None
+    assert _put(1) == (original(fake_upstream.Store(), 1), [])
+
+
 @pytest.mark.parametrize(("inner", "outer"), KINDS)
 @pytest.mark.parametrize("order", [("inner", "outer"), ("outer", "inner")])
 def test_stacks_in_registry_order_whatever_the_kinds(registry, inner, outer, order) -> None:  # noqa: ANN001

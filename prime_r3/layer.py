@@ -470,12 +470,13 @@ class _Builder:
     #: The target is an attribute of a class (a method), not of a module.
     on_class: bool
 
-    def build(self, inner: Any) -> tuple[Any, Any | None]:
-        """The layer around ``inner``, and ``inner`` again if the layer is a plain
-        function (what ``state`` records as under it), else None."""
+    def build(self, inner: Any, upstream: Any) -> tuple[Any, Any | None]:
+        """The layer around ``inner`` (``upstream``: upstream's object under every
+        layer), and ``inner`` again if the layer is a plain function (what ``state``
+        records as under it), else None."""
         if self.calling is Calling.WRAPT:
             return wrapt.FunctionWrapper(inner, self.made), None
-        return _plain_layer(self.made, inner, self.on_class), inner
+        return _plain_layer(self.made, inner, upstream, self.on_class), inner
 
 
 #: What wrapt passes a wrapper on every call, positionally.
@@ -504,15 +505,43 @@ def _check_made(target: Target, made: Any) -> None:
         ) from None
 
 
-def _plain_layer(factory: Any, inner: Any, on_class: bool) -> types.FunctionType:
+def _signature_mismatch(function: Any, upstream: Any) -> str | None:
+    """How ``function``'s parameters differ from upstream's innermost function's
+    (names, kinds, defaults; annotations aside), None if they do not.
+
+    A plain layer is called as upstream's function is, so a different parameter list
+    fails (or worse, binds differently) only when vLLM calls it. Upstream's own
+    decorator layers are followed to the function they wrap; ``function``'s are not
+    (a factory's ``functools.wraps`` would show upstream's signature instead of its own).
+    """
+
+    def shape(signature: inspect.Signature) -> list[tuple[str, Any, Any]]:
+        return [(p.name, p.kind, p.default) for p in signature.parameters.values()]
+
+    ours = shape(inspect.signature(function, follow_wrapped=False))
+    theirs = shape(inspect.signature(inspect.unwrap(upstream), follow_wrapped=False))
+    if len(ours) == len(theirs) and all(
+        a[:2] == b[:2] and (a[2] is b[2] or (type(a[2]) is type(b[2]) and a[2] == b[2]))
+        for a, b in zip(ours, theirs, strict=True)
+    ):
+        return None
+    return (
+        f"{inspect.signature(function, follow_wrapped=False)} differs from upstream's "
+        f"{inspect.signature(inspect.unwrap(upstream), follow_wrapped=False)}"
+    )
+
+
+def _plain_layer(factory: Any, inner: Any, upstream: Any, on_class: bool) -> types.FunctionType:
     """The patch's plain function around ``inner``, ready to install as is.
 
     The factory gets a callable taking the target's own arguments (``self`` first for
     a method), which calls ``inner`` the way an attribute lookup would: a plain
     function (upstream's, or another plain layer) directly; a wrapt layer of ours
     bound to the instance first, so its wrapper sees ``instance`` as when it is the
-    class attribute. The result carries upstream's names and ``__wrapped__`` for
-    introspection only: the layer records (by identity) what it calls.
+    class attribute. The function must be new (not ``inner``, nor any object ``state``
+    records) and take upstream's parameters. The result carries upstream's names and
+    ``__wrapped__`` for introspection only: the layer records (by identity) what it
+    calls.
     """
     call = inner
     if on_class and type(inner) is not types.FunctionType:
@@ -522,11 +551,19 @@ def _plain_layer(factory: Any, inner: Any, on_class: bool) -> types.FunctionType
             return bind(self, type(self))(*args, **kwargs)
 
     function = factory(call)
-    if type(function) is not types.FunctionType or function is inner:
+    if type(function) is not types.FunctionType:
         raise TypeError(
             f"a Calling.PLAIN factory must return a new plain function, got "
             f"{type(function).__name__}"
         )
+    if function is inner or state.is_recorded(function):
+        raise TypeError(
+            f"a Calling.PLAIN factory must return a new plain function, got "
+            f"{function.__qualname__}, an object prime_r3 already records"
+        )
+    mismatch = _signature_mismatch(function, upstream)
+    if mismatch is not None:
+        raise TypeError(f"the Calling.PLAIN function's parameters {mismatch}")
     return functools.update_wrapper(function, inner, updated=())
 
 
@@ -559,19 +596,19 @@ def _insert(name: str, target: Target, resolved: guards.Resolved, builder: _Buil
     while outside < len(found) and _rank(found[outside][0]) > rank:
         outside += 1
     inner = found[outside][1] if outside < len(found) else original
-    layer = builder.build(inner)
-    top, rebuilt = _rewrap(layer[0], found[:outside], target.key)
+    layer = builder.build(inner, original)
+    top, rebuilt = _rewrap(layer[0], found[:outside], target.key, original)
     return _Stack(target.key, resolved, top, {name: layer, **rebuilt}, original, builder)
 
 
 def _rewrap(
-    inner: Any, outside: Sequence[tuple[str, Any]], key: str
+    inner: Any, outside: Sequence[tuple[str, Any]], key: str, upstream: Any
 ) -> tuple[Any, dict[str, tuple[Any, Any | None]]]:
     """Wrap ``inner`` again in the patches of ``outside`` (outermost first, as found),
     each with the builder it installed; the new top and the layers by patch."""
     rebuilt = {}
     for other, _ in reversed(outside):
-        rebuilt[other] = state.wrapper_function(other, key).build(inner)
+        rebuilt[other] = state.wrapper_function(other, key).build(inner, upstream)
         inner = rebuilt[other][0]
     return inner, rebuilt
 
@@ -589,12 +626,12 @@ def _uninstall(spec: PatchSpec, wrappers: Mapping[str, Any]) -> str | None:
     planned = []
     for key, wrapper in wrappers.items():
         resolved = guards.resolve(by_key[key])
-        found, _ = state.layers(None if isinstance(resolved, str) else resolved.raw)
+        found, original = state.layers(None if isinstance(resolved, str) else resolved.raw)
         position = next((i for i, (_, w) in enumerate(found) if w is wrapper), None)
         if isinstance(resolved, str) or position is None:
             return f"{key} was re-wrapped by another layer; prime_r3's layer left in place"
         try:
-            top, rebuilt = _rewrap(state.inner_of(wrapper), found[:position], key)
+            top, rebuilt = _rewrap(state.inner_of(wrapper), found[:position], key, original)
         except Exception as error:  # noqa: BLE001 - a plain factory that fails: keep ours
             return f"{key}: rebuilding the layers outside ours failed ({error}); left in place"
         planned.append((resolved, key, top, rebuilt))

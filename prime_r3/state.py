@@ -141,6 +141,18 @@ def _under(name: str, key: str, obj: Any) -> Any:
     return pair[1] if pair is not None and pair[0] is obj else obj.__wrapped__
 
 
+def is_recorded(obj: Any) -> bool:
+    """True if ``obj`` is (by identity) any object recorded here: an installed layer,
+    what a plain layer calls, or a saved upstream original."""
+    if _find(obj) is not None or any(obj is o for o in tuple(_originals.values())):
+        return True
+    return any(
+        obj is layer or obj is inner
+        for pairs in tuple(_inners.values())
+        for layer, inner in tuple(pairs.values())
+    )
+
+
 def inner_of(obj: Any) -> Any:
     """The object under our layer ``obj`` (what it calls); ``obj`` itself if not ours."""
     found = _find(obj)

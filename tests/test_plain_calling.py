@@ -12,6 +12,7 @@ Every test here fails before ``Calling`` existed (``Target`` took no ``calling``
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import types
 from collections.abc import Callable
@@ -258,6 +259,82 @@ def test_a_wrapper_of_the_other_kind_is_refused_at_apply(registry, factory, call
     assert f"calling={calling.value} needs make_wrapper to return {wants}" in outcome.reason
     assert _live() is original and state.active_wrappers("p") is None
     assert _put(1) == (original(fake_upstream.Store(), 1), [])
+
+
+def _renamed(inner):  # noqa: ANN001, ANN202
+    def put(self, value):  # noqa: ANN001, ANN202
+        return inner(self, value)
+
+    return put
+
+
+def _defaulted(inner):  # noqa: ANN001, ANN202
+    def put(self, x=1):  # noqa: ANN001, ANN202
+        return inner(self, x)
+
+    return put
+
+
+def _variadic(inner):  # noqa: ANN001, ANN202
+    def put(self, *args):  # noqa: ANN001, ANN202
+        return inner(self, *args)
+
+    return put
+
+
+def _keyword_only(inner):  # noqa: ANN001, ANN202
+    def put(self, *, x):  # noqa: ANN001, ANN202
+        return inner(self, x)
+
+    return put
+
+
+def _wraps_hides_it(inner):  # noqa: ANN001, ANN202
+    @functools.wraps(inner)  # its signature then looks like upstream's
+    def put(self, value):  # noqa: ANN001, ANN202
+        return inner(self, value)
+
+    return put
+
+
+@pytest.mark.parametrize("make", [_renamed, _defaulted, _variadic, _keyword_only, _wraps_hides_it])
+def test_a_plain_function_with_other_parameters_is_refused(registry, make) -> None:  # noqa: ANN001
+    """Names, kinds and defaults must be upstream's: ``put(x=1)`` is how vLLM calls."""
+    target = Target(
+        MOD, "Store.put", _fp(fake_upstream.Store.put), lambda p: make, calling=Calling.PLAIN
+    )
+    registry.set((_spec("p", target),))
+    original = _live()
+    outcome = layer.apply().outcome("p")
+    assert outcome.state == layer.SKIPPED and "rolled back" in outcome.reason
+    assert "the Calling.PLAIN function's parameters" in outcome.reason
+    assert str(inspect.signature(original)) in outcome.reason
+    assert _live() is original and state.active_wrappers("p") is None
+
+
+def test_a_factory_returning_an_object_prime_r3_records_is_refused(registry) -> None:  # noqa: ANN001
+    """Returning upstream's function (or any layer of ours) as the new layer would make
+    one object two things in the records: refused, the stack kept as it was."""
+    registry.set(_specs(Calling.PLAIN, Calling.PLAIN))
+    original = _live()
+    layer.apply(["inner"])
+    ours = _live()
+    for returned in (original, ours):
+        spec = _spec(
+            "outer",
+            Target(
+                MOD,
+                "Store.put",
+                _fp(original),
+                lambda p, r=returned: lambda inner: r,
+                calling=Calling.PLAIN,
+            ),
+        )
+        registry.set((_specs(Calling.PLAIN, Calling.PLAIN)[0], spec))
+        outcome = layer.apply().outcome("outer")
+        assert outcome.state == layer.SKIPPED and "already records" in outcome.reason
+        assert _live() is ours and state.wrapped_by(ours) == ("inner",)
+        assert state.inner_of(ours) is original and state.active_wrappers("outer") is None
 
 
 @pytest.mark.parametrize(("inner", "outer"), KINDS)

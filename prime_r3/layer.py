@@ -539,9 +539,10 @@ def _plain_layer(factory: Any, inner: Any, upstream: Any, on_class: bool) -> typ
     function (upstream's, or another plain layer) directly; a wrapt layer of ours
     bound to the instance first, so its wrapper sees ``instance`` as when it is the
     class attribute. The function must be new (not ``inner``, nor any object ``state``
-    records) and take upstream's parameters. The result carries upstream's names and
-    ``__wrapped__`` for introspection only: the layer records (by identity) what it
-    calls.
+    records) and take upstream's parameters. The result carries ``inner``'s names and
+    attributes (its ``__dict__``: upstream's markers stay visible, as through a wrapt
+    proxy, copied once) and ``__wrapped__`` = ``inner``, for introspection only: the
+    layer records (by identity) what it calls.
     """
     call = inner
     if on_class and type(inner) is not types.FunctionType:
@@ -564,7 +565,7 @@ def _plain_layer(factory: Any, inner: Any, upstream: Any, on_class: bool) -> typ
     mismatch = _signature_mismatch(function, upstream)
     if mismatch is not None:
         raise TypeError(f"the Calling.PLAIN function's parameters {mismatch}")
-    return functools.update_wrapper(function, inner, updated=())
+    return functools.update_wrapper(function, inner)
 
 
 def _rank(name: str) -> int:

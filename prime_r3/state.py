@@ -17,7 +17,11 @@ object recorded here, never because of an attribute it carries (anyone can copy
 ``__wrapped__`` or a name). Under a wrapt layer lies its live ``__wrapped__`` (what
 the proxy calls). Under a plain-function layer (``Calling.PLAIN``) lies the inner
 object recorded when it was built: the function calls that object from its closure,
-so its ``__wrapped__`` attribute, which anyone may re-point, is not trusted.
+so its ``__wrapped__`` attribute, which anyone may re-point, is not what the walk
+reads. One exception: a lock-free reader holding a plain layer that another thread
+is replacing or removing right then (its record already names the successor, or is
+gone) reads that old layer's ``__wrapped__``, which the layer set to the same inner
+object; a re-pointed one is seen only in that moment, for a layer that is leaving.
 """
 
 from __future__ import annotations
@@ -136,7 +140,8 @@ def _find(obj: Any) -> tuple[str, str] | None:
 
 def _under(name: str, key: str, obj: Any) -> Any:
     """What our layer ``obj`` (``name``'s at ``key``) calls: the recorded inner of a
-    plain-function layer, the live ``__wrapped__`` of a wrapt one."""
+    plain-function layer, the live ``__wrapped__`` of a wrapt one (and of a plain
+    layer being replaced on another thread right now: see the module's docstring)."""
     pair = _inners.get(name, {}).get(key)
     return pair[1] if pair is not None and pair[0] is obj else obj.__wrapped__
 

@@ -338,6 +338,29 @@ def test_a_factory_returning_an_object_prime_r3_records_is_refused(registry) -> 
 
 
 @pytest.mark.parametrize(("inner", "outer"), KINDS)
+def test_upstreams_function_attributes_stay_visible(registry, inner, outer) -> None:  # noqa: ANN001
+    """A marker upstream's function carries (``__isabstractmethod__``, torch's dynamo
+    flags, ``__deprecated__``) is seen through every layer, as through a wrapt proxy;
+    ``__wrapped__`` still names the layer's inner object, and the records are
+    unchanged."""
+    original = _live()
+    registry.set(_specs(inner, outer))
+    original.marker = "upstream's"
+    try:
+        layer.apply()
+        top = _live()
+        middle = state.inner_of(top)
+        assert top.marker == middle.marker == "upstream's"
+        assert top.__wrapped__ is middle and middle.__wrapped__ is original
+        _assert_stacked(original, inner, outer)
+    finally:
+        del original.marker
+
+
+# -- stacked with other patches on the same target ---------------------------------------
+
+
+@pytest.mark.parametrize(("inner", "outer"), KINDS)
 @pytest.mark.parametrize("order", [("inner", "outer"), ("outer", "inner")])
 def test_stacks_in_registry_order_whatever_the_kinds(registry, inner, outer, order) -> None:  # noqa: ANN001
     registry.set(_specs(inner, outer))

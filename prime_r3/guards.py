@@ -22,7 +22,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from prime_r3 import fingerprint, state
-from prime_r3.spec import Anchor, PatchSpec, Target
+from prime_r3.spec import Anchor, Calling, PatchSpec, Target
 
 
 def installed_vllm_version() -> str | None:
@@ -114,7 +114,21 @@ def check_source(target: Target | Anchor, resolved: Resolved) -> str | None:
             f"{kind} {target.key} is not upstream's plain object, so another layer replaced "
             f"or wrapped it: {why}"
         )
+    if isinstance(target, Target) and type(obj) is not types.FunctionType:
+        return needs_function(target, type(obj).__name__)
     return None
+
+
+def needs_function(target: Target, found: str) -> str | None:
+    """Why ``target`` cannot take its layer when upstream's object there is a ``found``
+    (None if it can): a ``Calling.PLAIN`` layer is a function installed in place of
+    upstream's, so upstream's must be a function too; a staticmethod, classmethod or
+    property put there would change how the attribute binds. Checked by the guards, so
+    ``status()`` says what ``apply()`` does; the layer checks again when it builds.
+    """
+    if target.calling is not Calling.PLAIN or found == "function":
+        return None
+    return f"target {target.key}: calling=plain needs upstream's plain function, found {found}"
 
 
 def check_unimported(target: Target | Anchor) -> str | None:
@@ -125,10 +139,27 @@ def check_unimported(target: Target | Anchor) -> str | None:
     """
     kind = "anchor" if isinstance(target, Anchor) else "target"
     try:
-        found = fingerprint.of_name(target.module, target.attr)
+        definition = fingerprint.locate(target.module, target.attr)
     except fingerprint.SourceUnavailable as error:
         return f"{kind} {target.key} source unavailable: {error}"
-    return _compare(target, found)
+    reason = _compare(target, definition.fingerprint())
+    if reason is None and isinstance(target, Target):
+        reason = needs_function(target, _defined_kind(definition.node))
+    return reason
+
+
+def _defined_kind(node: Any) -> str:
+    """What a definition makes, as far as its source tells: a class, a staticmethod,
+    classmethod or property (its structural decorator), else a function. Other
+    decorators may return anything; the live object is checked on import."""
+    if isinstance(node, ast.ClassDef):
+        return "type"
+    for decorator in node.decorator_list:
+        name = decorator.attr if isinstance(decorator, ast.Attribute) else None
+        name = getattr(decorator, "id", name)
+        if name in _STRUCTURAL | {"cached_property"}:
+            return "property" if name in ("setter", "getter", "deleter") else name
+    return "function"
 
 
 def check(target: Target | Anchor) -> str | None:
@@ -225,7 +256,7 @@ def _peel(obj: Any, ours_ok: bool) -> tuple[Any, list[Any]]:
     layers: list[Any] = []
     while len(layers) < 64:  # a __wrapped__ cycle ends here, as too many layers
         if ours_ok and state.is_object_patched(obj):
-            obj = obj.__wrapped__
+            obj = state.inner_of(obj)  # what our layer calls (by identity, any kind)
         elif type(obj) in (staticmethod, classmethod):  # both have __wrapped__ since 3.10
             obj = obj.__func__
         elif isinstance(obj, wrapt.ObjectProxy) or hasattr(obj, "__wrapped__"):

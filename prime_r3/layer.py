@@ -1,8 +1,11 @@
 """Apply, revert and inspect the overlay: the only overlay code that writes to vLLM's modules.
 
-Every target is replaced by a ``wrapt.FunctionWrapper`` around the original, so
-following ``__wrapped__`` always leads to the upstream object. A patch with several
-targets is applied all-or-nothing: if any step fails, the targets already replaced are
+A target is replaced by a ``wrapt.FunctionWrapper`` around the original, or, for a
+``Target`` declaring ``Calling.PLAIN``, by a plain function the patch builds around it
+(installed as is: no per-call binding object, for targets called per request per
+step). Either way ``state`` records every layer installed, and following our layers
+(``state.layers``) always leads to the upstream object. A patch with several targets
+is applied all-or-nothing: if any step fails, the targets already replaced are
 restored.
 
 Several patches may wrap one target. Their wrappers then nest in registry order (the
@@ -20,10 +23,12 @@ other targets too. Until then the patch is reported as pending import.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 import os
 import sys
+import types
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -31,7 +36,7 @@ from typing import Any
 import wrapt
 
 from prime_r3 import config, guards, state
-from prime_r3.spec import Anchor, PatchSpec, Target
+from prime_r3.spec import Anchor, Calling, PatchSpec, Target
 
 logger = logging.getLogger("vllm.prime_r3")
 
@@ -409,7 +414,10 @@ def _install_units(
             resolved = guards.resolve(target)
             if isinstance(resolved, str):
                 raise LookupError(resolved)
-            planned.append(_insert(spec.name, target, resolved, target.make_wrapper(params)))
+            made = target.make_wrapper(params)
+            _check_made(target, made)
+            builder = _Builder(target.calling, made, isinstance(resolved.owner, type))
+            planned.append(_insert(spec.name, target, resolved, builder))
         for plan in planned:
             setattr(plan.resolved.owner, plan.resolved.name, plan.top)
             done.append((plan.resolved.owner, plan.resolved.name, plan.resolved.raw))
@@ -418,14 +426,16 @@ def _install_units(
             setattr(owner, name, previous)
         logger.warning("prime_r3: %s rolled back: %s", spec.name, error)
         return f"apply failed and was rolled back: {type(error).__name__}: {error}"
-    wrappers, functions = {}, {}
+    wrappers, functions, inners = {}, {}, {}
     for plan in planned:
         state.save_original(plan.key, plan.original)
-        wrappers[plan.key] = plan.rebuilt.pop(spec.name)
-        functions[plan.key] = plan.function
-        for other, wrapper in plan.rebuilt.items():
-            state.replace_wrapper(other, plan.key, wrapper)
-    state.add_wrappers(spec.name, wrappers, functions)
+        wrappers[plan.key], inner = plan.rebuilt.pop(spec.name)
+        if inner is not None:
+            inners[plan.key] = inner
+        functions[plan.key] = plan.builder
+        for other, (wrapper, other_inner) in plan.rebuilt.items():
+            state.replace_wrapper(other, plan.key, wrapper, other_inner)
+    state.add_wrappers(spec.name, wrappers, functions, inners)
     return None
 
 
@@ -437,12 +447,125 @@ class _Stack:
     resolved: guards.Resolved
     #: The object to install: the whole chain, outermost wrapper.
     top: Any
-    #: The wrappers built for it, by patch (the new one, and those rebuilt outside it).
-    rebuilt: dict[str, Any]
+    #: The wrappers built for it, by patch (the new one, and those rebuilt outside it),
+    #: each with what it calls if it is a plain function (``_Builder.build``).
+    rebuilt: dict[str, tuple[Any, Any | None]]
     #: Upstream's object under every wrapper.
     original: Any
-    #: The new patch's wrapper function (kept to rebuild its wrapper later).
-    function: Any
+    #: The new patch's builder (kept to rebuild its wrapper later).
+    builder: _Builder
+
+
+@dataclass(frozen=True)
+class _Builder:
+    """What makes one patch's layer on one target around a given inner object.
+
+    Kept in ``state`` so a layer can be rebuilt around another inner object (a patch
+    under it came or went) without asking the patch again.
+    """
+
+    calling: Calling
+    #: The patch's wrapt wrapper function, or its ``PlainFactory``.
+    made: Any
+    #: The target is an attribute of a class (a method), not of a module.
+    on_class: bool
+
+    def build(self, inner: Any, upstream: Any) -> tuple[Any, Any | None]:
+        """The layer around ``inner`` (``upstream``: upstream's object under every
+        layer), and ``inner`` again if the layer is a plain function (what ``state``
+        records as under it), else None."""
+        if self.calling is Calling.WRAPT:
+            return wrapt.FunctionWrapper(inner, self.made), None
+        return _plain_layer(self.made, inner, upstream, self.on_class), inner
+
+
+#: What wrapt passes a wrapper on every call, positionally.
+_WRAPT_CALL = (None, None, (), {})
+
+
+def _check_made(target: Target, made: Any) -> None:
+    """Refuse a ``make_wrapper`` product of the other kind than ``target.calling``.
+
+    wrapt calls a wrapper only when the target is called, so a ``PlainFactory`` left
+    on a ``Calling.WRAPT`` target (``calling=`` forgotten) would install and raise
+    inside vLLM's loop. The product's signature tells the kinds apart without a
+    second declaration to forget: a wrapt wrapper takes ``(wrapped, instance, args,
+    kwargs)``, a ``PlainFactory`` takes the one callable it wraps.
+    """
+    if target.calling is Calling.WRAPT:
+        call, wants = _WRAPT_CALL, "a wrapt wrapper (wrapped, instance, args, kwargs)"
+    else:
+        call, wants = (None,), "a PlainFactory taking the callable it wraps"
+    try:
+        inspect.signature(made).bind(*call)
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"{target.key}: calling={target.calling.value} needs make_wrapper to return "
+            f"{wants}, got {made!r} ({error})"
+        ) from None
+
+
+def _signature_mismatch(function: Any, upstream: Any) -> str | None:
+    """How ``function``'s parameters differ from upstream's innermost function's
+    (names, kinds, defaults; annotations aside), None if they do not.
+
+    A plain layer is called as upstream's function is, so a different parameter list
+    fails (or worse, binds differently) only when vLLM calls it. Upstream's own
+    decorator layers are followed to the function they wrap; ``function``'s are not
+    (a factory's ``functools.wraps`` would show upstream's signature instead of its own).
+    """
+
+    def shape(signature: inspect.Signature) -> list[tuple[str, Any, Any]]:
+        return [(p.name, p.kind, p.default) for p in signature.parameters.values()]
+
+    ours = shape(inspect.signature(function, follow_wrapped=False))
+    theirs = shape(inspect.signature(inspect.unwrap(upstream), follow_wrapped=False))
+    if len(ours) == len(theirs) and all(
+        a[:2] == b[:2] and (a[2] is b[2] or (type(a[2]) is type(b[2]) and a[2] == b[2]))
+        for a, b in zip(ours, theirs, strict=True)
+    ):
+        return None
+    return (
+        f"{inspect.signature(function, follow_wrapped=False)} differs from upstream's "
+        f"{inspect.signature(inspect.unwrap(upstream), follow_wrapped=False)}"
+    )
+
+
+def _plain_layer(factory: Any, inner: Any, upstream: Any, on_class: bool) -> types.FunctionType:
+    """The patch's plain function around ``inner``, ready to install as is.
+
+    The factory gets a callable taking the target's own arguments (``self`` first for
+    a method), which calls ``inner`` the way an attribute lookup would: a plain
+    function (upstream's, or another plain layer) directly; a wrapt layer of ours
+    bound to the instance first, so its wrapper sees ``instance`` as when it is the
+    class attribute. The function must be new (not ``inner``, nor any object ``state``
+    records) and take upstream's parameters. The result carries ``inner``'s names and
+    attributes (its ``__dict__``: upstream's markers stay visible, as through a wrapt
+    proxy, copied once) and ``__wrapped__`` = ``inner``, for introspection only: the
+    layer records (by identity) what it calls.
+    """
+    call = inner
+    if on_class and type(inner) is not types.FunctionType:
+        bind = inner.__get__
+
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return bind(self, type(self))(*args, **kwargs)
+
+    function = factory(call)
+    if type(function) is not types.FunctionType:
+        raise TypeError(
+            f"a Calling.PLAIN factory must return a new plain function, got "
+            f"{type(function).__name__}"
+        )
+    if function is inner or state.is_recorded(function):
+        raise TypeError(
+            f"a Calling.PLAIN factory must return a new plain function, got "
+            f"{function.__qualname__}, an object prime_r3 already records"
+        )
+    mismatch = _signature_mismatch(function, upstream)
+    if mismatch is not None:
+        raise TypeError(f"the Calling.PLAIN function's parameters {mismatch}")
+    return functools.update_wrapper(function, inner)
 
 
 def _rank(name: str) -> int:
@@ -455,7 +578,7 @@ def _rank(name: str) -> int:
     return names.index(name) if name in names else len(names)
 
 
-def _insert(name: str, target: Target, resolved: guards.Resolved, function: Any) -> _Stack:
+def _insert(name: str, target: Target, resolved: guards.Resolved, builder: _Builder) -> _Stack:
     """``name``'s wrapper put in its registry place among the patches already wrapping
     the target's current object.
 
@@ -466,22 +589,28 @@ def _insert(name: str, target: Target, resolved: guards.Resolved, function: Any)
     found, original = state.layers(resolved.raw)
     if found and state.unwrap_ours(resolved.raw) is None:
         raise LookupError(f"{target.key}: a layer that is not prime_r3's is under our wrappers")
+    why = guards.needs_function(target, type(original).__name__)  # the guards' backstop
+    if why is not None:
+        raise LookupError(why)
     rank = _rank(name)
     outside = 0
     while outside < len(found) and _rank(found[outside][0]) > rank:
         outside += 1
     inner = found[outside][1] if outside < len(found) else original
-    wrapper = wrapt.FunctionWrapper(inner, function)
-    top, rebuilt = _rewrap(wrapper, found[:outside], target.key)
-    return _Stack(target.key, resolved, top, {name: wrapper, **rebuilt}, original, function)
+    layer = builder.build(inner, original)
+    top, rebuilt = _rewrap(layer[0], found[:outside], target.key, original)
+    return _Stack(target.key, resolved, top, {name: layer, **rebuilt}, original, builder)
 
 
-def _rewrap(inner: Any, outside: Sequence[tuple[str, Any]], key: str) -> tuple[Any, dict[str, Any]]:
+def _rewrap(
+    inner: Any, outside: Sequence[tuple[str, Any]], key: str, upstream: Any
+) -> tuple[Any, dict[str, tuple[Any, Any | None]]]:
     """Wrap ``inner`` again in the patches of ``outside`` (outermost first, as found),
-    each with the wrapper function it installed; the new top and wrappers by patch."""
+    each with the builder it installed; the new top and the layers by patch."""
     rebuilt = {}
     for other, _ in reversed(outside):
-        inner = rebuilt[other] = wrapt.FunctionWrapper(inner, state.wrapper_function(other, key))
+        rebuilt[other] = state.wrapper_function(other, key).build(inner, upstream)
+        inner = rebuilt[other][0]
     return inner, rebuilt
 
 
@@ -498,16 +627,19 @@ def _uninstall(spec: PatchSpec, wrappers: Mapping[str, Any]) -> str | None:
     planned = []
     for key, wrapper in wrappers.items():
         resolved = guards.resolve(by_key[key])
-        found, _ = state.layers(None if isinstance(resolved, str) else resolved.raw)
+        found, original = state.layers(None if isinstance(resolved, str) else resolved.raw)
         position = next((i for i, (_, w) in enumerate(found) if w is wrapper), None)
         if isinstance(resolved, str) or position is None:
             return f"{key} was re-wrapped by another layer; prime_r3's layer left in place"
-        top, rebuilt = _rewrap(wrapper.__wrapped__, found[:position], key)
+        try:
+            top, rebuilt = _rewrap(state.inner_of(wrapper), found[:position], key, original)
+        except Exception as error:  # noqa: BLE001 - a plain factory that fails: keep ours
+            return f"{key}: rebuilding the layers outside ours failed ({error}); left in place"
         planned.append((resolved, key, top, rebuilt))
     for resolved, key, top, rebuilt in planned:
         setattr(resolved.owner, resolved.name, top)
-        for other, new in rebuilt.items():
-            state.replace_wrapper(other, key, new)
+        for other, (new, inner) in rebuilt.items():
+            state.replace_wrapper(other, key, new, inner)
     if spec.on_revert is not None:
         spec.on_revert()
     state.forget(spec.name)

@@ -125,9 +125,9 @@ class _Packed(NamedTuple):
 class _Index(NamedTuple):
     """Where each request of an unfilled step is (``PackedAuxOutputs._lookup``)."""
 
-    position: dict[str, int]
-    starts: list[int]
-    offsets: list[int]  # request i's rows are rows[offsets[i]:offsets[i + 1]]
+    #: request id -> (first row, token start, row count), Python ints: the request's
+    #: rows are ``rows[low:low + count]``, its first row is token ``start``.
+    places: dict[str, tuple[int, int, int]]
     rows: np.ndarray
 
 
@@ -258,17 +258,20 @@ class PackedAuxOutputs(dict[str, AuxRequestOutput]):
     def _lookup(self) -> _Index:
         """Per-request placement of an unfilled step, built once and cached.
 
-        For ``batched_take``: request id -> position by one C-level
-        ``dict(zip(ids, range(n)))``, with token starts and row offsets as Python ints
-        and the rows array, so a request's rows are one slice without filling the step.
+        For ``batched_take``: request id -> (first row, token start, row count) as
+        Python ints, built by C-level ``zip``s into one ``dict`` (no Python loop per
+        request), and the rows array: a request's rows are then one dict get, integer
+        arithmetic and one slice, without filling the step.
         """
         index = self._index
         if index is None:
             packed = self._packed
             assert packed is not None, "only an unfilled instance has a packed form"
             ids, _, starts, offsets, rows = packed
-            position = dict(zip(ids, range(len(ids)), strict=True))
-            index = self._index = _Index(position, starts.tolist(), offsets.tolist(), rows)
+            bounds = offsets.tolist()
+            counts = (offsets[1:] - offsets[:-1]).tolist()
+            places = zip(bounds[:-1], starts.tolist(), counts, strict=True)
+            index = self._index = _Index(dict(zip(ids, places, strict=True)), rows)
         return index
 
     # -- dict behaviour beyond lookups ---------------------------------------------

@@ -20,6 +20,26 @@ from packaging.version import InvalidVersion, Version
 WrapperFn = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 #: Builds a target's wrapper from the patch's parsed parameters.
 WrapperFactory = Callable[[Mapping[str, Any]], WrapperFn]
+#: ``Calling.PLAIN``: given the callable a layer wraps (upstream's function, or the next
+#: layer down, always callable with the target's own arguments, ``self`` first for a
+#: method), returns the plain function to install, with the target's own signature.
+PlainFactory = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+class Calling(enum.Enum):
+    """How a target's wrapper is called: the kind of object the layer installs.
+
+    ``WRAPT`` (the default): a ``wrapt.FunctionWrapper`` around the inner object; the
+    patch gives a ``WrapperFn`` and wrapt binds ``instance`` on every call. ``PLAIN``: the
+    patch's factory returns a ``PlainFactory`` and the layer installs the function it
+    makes as is. For targets called hundreds of times per engine step: a call through a
+    ``FunctionWrapper`` method costs about ten times a plain function's (its per-call
+    bound wrapper object), which at 1000 calls a step is most of what the body costs.
+    Plain layers are recognised by identity (the layer's records), like wrapt ones.
+    """
+
+    WRAPT = "wrapt"
+    PLAIN = "plain"
 
 
 class Process(enum.Enum):
@@ -47,7 +67,7 @@ class Param:
 
 @dataclass(frozen=True)
 class Target:
-    """One attribute a patch replaces with a wrapt wrapper of the original.
+    """One attribute a patch replaces with a wrapper of the original.
 
     ``module`` and ``attr`` say where the name is *looked up* (for a function
     imported with ``from x import y`` that is the importing module). The
@@ -58,7 +78,20 @@ class Target:
     attr: str
     #: sha256 prefixes of the upstream source this patch was verified against.
     fingerprints: frozenset[str]
-    make_wrapper: WrapperFactory
+    #: ``params -> WrapperFn`` for ``Calling.WRAPT``; ``params -> PlainFactory`` for
+    #: ``Calling.PLAIN``.
+    make_wrapper: Callable[[Mapping[str, Any]], WrapperFn | PlainFactory]
+    #: The kind of wrapper installed (see ``Calling``); ``PLAIN`` needs a plain function
+    #: target (a module function or a method defined with ``def``).
+    calling: Calling = Calling.WRAPT
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.calling, Calling):
+            choices = ", ".join(f"Calling.{c.name}" for c in Calling)
+            raise ValueError(
+                f"Target {self.module}:{self.attr}: calling={self.calling!r} is not a "
+                f"wrapper kind; valid choices: {choices}"
+            )
 
     @property
     def key(self) -> str:

@@ -8,9 +8,20 @@ first-write-wins) keeps that true when a module is reloaded and its functions ar
 objects.
 
 Several patches may wrap one target: the live object is then a chain of our wrappers,
-each recorded here under its patch, around upstream's object. Each patch's wrapper
-function is kept too, so the layer can rebuild the wrappers outside one it removes
-or inserts without building the patch's wrapper again.
+each recorded here under its patch, around upstream's object. Each patch's builder
+(its wrapper function and kind) is kept too, so the layer can rebuild the wrappers
+outside one it removes or inserts without asking the patch again.
+
+Ours are told apart by identity only: an object is one of our layers when it *is* an
+object recorded here, never because of an attribute it carries (anyone can copy
+``__wrapped__`` or a name). Under a wrapt layer lies its live ``__wrapped__`` (what
+the proxy calls). Under a plain-function layer (``Calling.PLAIN``) lies the inner
+object recorded when it was built: the function calls that object from its closure,
+so its ``__wrapped__`` attribute, which anyone may re-point, is not what the walk
+reads. One exception: a lock-free reader holding a plain layer that another thread
+is replacing or removing right then (its record already names the successor, or is
+gone) reads that old layer's ``__wrapped__``, which the layer set to the same inner
+object; a re-pointed one is seen only in that moment, for a layer that is leaving.
 """
 
 from __future__ import annotations
@@ -23,8 +34,10 @@ _lock = threading.RLock()
 _originals: dict[str, Any] = {}
 #: patch name -> {"module:attr": the wrapper prime_r3 installed}.
 _active: dict[str, dict[str, Any]] = {}
-#: patch name -> {"module:attr": the wrapt wrapper function inside that wrapper}.
+#: patch name -> {"module:attr": what builds that wrapper again around another object}.
 _functions: dict[str, dict[str, Any]] = {}
+#: patch name -> {"module:attr": (its plain-function layer, the object that layer calls)}.
+_inners: dict[str, dict[str, tuple[Any, Any]]] = {}
 #: patch name -> (token, modules whose import will install the rest of the patch).
 _pending: dict[str, tuple[object, set[str]]] = {}
 
@@ -46,19 +59,32 @@ def get_original(module: str, attr: str) -> Any:
     return _originals[f"{module}:{attr}"]
 
 
-def add_wrappers(name: str, wrappers: dict[str, Any], functions: dict[str, Any]) -> None:
-    """Record the wrappers ``name`` installed and the wrapper functions inside them."""
+def add_wrappers(
+    name: str,
+    wrappers: dict[str, Any],
+    functions: dict[str, Any],
+    inners: dict[str, Any] | None = None,
+) -> None:
+    """Record the wrappers ``name`` installed, what builds each again, and for its
+    plain-function layers the object each calls (``inners``)."""
+    # The inner is recorded (paired with its layer) before the wrapper: a reader that
+    # finds the wrapper (no lock) then finds what is under it too.
+    if inners:
+        _inners.setdefault(name, {}).update((k, (wrappers[k], v)) for k, v in inners.items())
     _active.setdefault(name, {}).update(wrappers)
     _functions.setdefault(name, {}).update(functions)
 
 
-def replace_wrapper(name: str, key: str, wrapper: Any) -> None:
-    """``name``'s wrapper at ``key`` was rebuilt (a patch under it came or went)."""
+def replace_wrapper(name: str, key: str, wrapper: Any, inner: Any | None = None) -> None:
+    """``name``'s wrapper at ``key`` was rebuilt (a patch under it came or went);
+    ``inner``: what it calls, for a plain-function layer (None for a wrapt one)."""
+    if inner is not None:
+        _inners.setdefault(name, {})[key] = (wrapper, inner)
     _active[name][key] = wrapper
 
 
 def wrapper_function(name: str, key: str) -> Any:
-    """The wrapper function ``name`` installed at ``key``, to wrap it again unchanged."""
+    """What builds ``name``'s wrapper at ``key`` again, around another inner object."""
     return _functions[name][key]
 
 
@@ -90,28 +116,57 @@ def forget(name: str) -> None:
     """Drop every record of ``name``: a stale import hook then finds nothing to do."""
     _active.pop(name, None)
     _functions.pop(name, None)
+    _inners.pop(name, None)
     _pending.pop(name, None)
 
 
-def _owner(obj: Any) -> str | None:
-    """The patch whose installed wrapper ``obj`` is (None if it is not one of ours).
+def _find(obj: Any) -> tuple[str, str] | None:
+    """(patch, "module:attr") of the installed wrapper ``obj`` is (None if not ours).
 
-    Read without the lock (batched_commit and packed_outputs ask every step, on the
-    worker's output thread and in EngineCore): it walks snapshots, each taken by one
-    C-level ``tuple()`` that no other thread can interleave (the GIL is held and no
-    Python code runs for str keys), so an apply, revert or import hook changing the
-    records on another thread cannot make it raise mid-iteration.
+    Identity only (``is``): a wrapt proxy compares equal to what it wraps, so no
+    dict lookup or ``==`` may decide this. Read without the lock (batched_commit and
+    packed_outputs ask every step, on the worker's output thread and in EngineCore):
+    it walks snapshots, each taken by one C-level ``tuple()`` that no other thread can
+    interleave (the GIL is held and no Python code runs for str keys), so an apply,
+    revert or import hook changing the records on another thread cannot make it raise
+    mid-iteration.
     """
     for name, wrappers in tuple(_active.items()):
-        for wrapper in tuple(wrappers.values()):
+        for key, wrapper in tuple(wrappers.items()):
             if obj is wrapper:
-                return name
+                return name, key
     return None
+
+
+def _under(name: str, key: str, obj: Any) -> Any:
+    """What our layer ``obj`` (``name``'s at ``key``) calls: the recorded inner of a
+    plain-function layer, the live ``__wrapped__`` of a wrapt one (and of a plain
+    layer being replaced on another thread right now: see the module's docstring)."""
+    pair = _inners.get(name, {}).get(key)
+    return pair[1] if pair is not None and pair[0] is obj else obj.__wrapped__
+
+
+def is_recorded(obj: Any) -> bool:
+    """True if ``obj`` is (by identity) any object recorded here: an installed layer,
+    what a plain layer calls, or a saved upstream original."""
+    if _find(obj) is not None or any(obj is o for o in tuple(_originals.values())):
+        return True
+    return any(
+        obj is layer or obj is inner
+        for pairs in tuple(_inners.values())
+        for layer, inner in tuple(pairs.values())
+    )
+
+
+def inner_of(obj: Any) -> Any:
+    """The object under our layer ``obj`` (what it calls); ``obj`` itself if not ours."""
+    found = _find(obj)
+    return obj if found is None else _under(*found, obj)
 
 
 def is_object_patched(obj: Any) -> bool:
     """True if ``obj`` is a wrapper prime_r3 currently has installed (any layer of a stack)."""
-    return _owner(obj) is not None
+    return _find(obj) is not None
 
 
 def layers(obj: Any) -> tuple[list[tuple[str, Any]], Any]:
@@ -122,9 +177,9 @@ def layers(obj: Any) -> tuple[list[tuple[str, Any]], Any]:
     lies under a foreign layer is not ours to rebuild.
     """
     found: list[tuple[str, Any]] = []
-    while len(found) < _MAX_LAYERS and (name := _owner(obj)) is not None:
-        found.append((name, obj))
-        obj = obj.__wrapped__
+    while len(found) < _MAX_LAYERS and (where := _find(obj)) is not None:
+        found.append((where[0], obj))
+        obj = _under(*where, obj)
     return found, obj
 
 

@@ -19,8 +19,8 @@ full path  = transport + one real ``AuxOutputSchedulerConnector.take_output`` pe
 mq x-proc  = the real vLLM ``MessageQueue``: enqueue in this process, dequeue (and
              take_output) in a forked reader process, one step at a time
 
-step path = issue 10's comparison at ``--step-requests`` (default 1000) decode requests,
-             every arm in the same run, round-robin, medians over rounds:
+step path = issue 10's comparison at ``--step-requests`` (default 400,1000) decode
+             requests, every arm in the same run, round-robin, medians over rounds:
              transport = upstream: pickle + unpickle of the dict (MessageQueue's
              pickling); prime: building the packed form from the step's arrays (the
              real ``batched_commit._packed``, what the batched path runs instead of
@@ -29,6 +29,11 @@ step path = issue 10's comparison at ``--step-requests`` (default 1000) decode r
              ``lazy``: with batched_take, it does not). take = one ``take_output``
              per request as the scheduler calls it (bound on each call): upstream's
              on the dict / on the filled step, batched_take's on the lazy step.
+             ``lazy`` is batched_take as registered (a plain function,
+             ``Calling.PLAIN``); ``lazy wrapt`` the same body installed as a wrapt
+             wrapper, to show what wrapt's per-call binding costs. Then
+             ``take_output alone``: only the N calls on a lazy step whose lookup is
+             already built, plain vs wrapt alternating per step.
 
 Times are medians over steps, in ms of the timing thread's CPU time by default
 (``--clock cpu``: robust when other processes share the cores, as wall time is not);
@@ -297,24 +302,86 @@ def _connector() -> Any:
         return object.__new__(AuxOutputSchedulerConnector)  # take_output reads no state
 
 
+def _wrapt_batched_take() -> Any:
+    """batched_take's spec with its target as a ``Calling.WRAPT`` wrapper whose body is
+    the same as the registry's plain ``take_output`` (same lookup, branches, counters),
+    written in wrapt's calling convention: the arm that shows what the binding costs.
+    Same patch name, so the packed reader treats it as batched_take (reads lazily)."""
+    import dataclasses
+
+    from prime_r3.fixes import batched_take
+    from prime_r3.packed import _Unfilled
+    from prime_r3.spec import Calling
+
+    counters = batched_take.COUNTERS
+
+    def factory(params: Any) -> Any:
+        def take_output(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
+            request, output = args
+            if type(output) is not _Unfilled:
+                counters.fallback("not_packed")
+                return wrapped(request, output)
+            index = output._index
+            if index is None:
+                index = output._lookup()
+                counters.steps += 1
+                counters.batched_steps += 1
+            places, rows = index
+            try:
+                place = places.get(request.request_id)
+            except TypeError:
+                place = None
+            if place is None:
+                counters.fallback("missing")
+                return wrapped(request, output)
+            low, start, count = place
+            local_end = request.num_tokens - 1 - start
+            if local_end < 0:
+                counters.fallback("before_start")
+                return wrapped(request, output)
+            if local_end > count:
+                counters.fallback("beyond_rows")
+                return wrapped(request, output)
+            counters.fast_requests += 1
+            return rows[low : low + local_end].copy()
+
+        return take_output
+
+    (target,) = batched_take.SPEC.targets
+    wrapt_target = dataclasses.replace(target, make_wrapper=factory, calling=Calling.WRAPT)
+    return dataclasses.replace(batched_take.SPEC, targets=(wrapt_target,))
+
+
 def bench_step_path(n: int, rounds: int, steps: int, seed: int) -> Samples:
-    """Issue 10's transport and take comparison; arms round-robin within each round."""
+    """Issue 10's transport and take comparison; arms round-robin within each round.
+
+    ``lazy`` is batched_take as registered (``Calling.PLAIN``); ``lazyw`` the same body
+    installed as a wrapt wrapper (``_wrapt_batched_take``), both through the layer.
+    """
     import prime_r3
+    from prime_r3 import patches
     from prime_r3.fixes.batched_commit import _packed
 
+    registry = patches.REGISTRY
+    wrapt_registry = tuple(
+        _wrapt_batched_take() if spec.name == "batched_take" else spec for spec in registry
+    )
     connector = _connector()
-    res: Samples = {
-        k: []
-        for k in ("up_tr", "up_take", "fill_build", "fill_tr", "fill_take", "lazy_tr", "lazy_take")
-    }
+    arms = ("up", "fill", "lazy", "lazyw")
+    res: Samples = {f"{arm}_{part}": [] for arm in arms for part in ("tr", "take")}
+    res["fill_build"] = []
     for _ in range(rounds):
         per_round: Samples = {k: [] for k in res}
         for step in range(steps):
-            for arm in ("up", "fill", "lazy"):
-                if arm == "lazy":
-                    prime_r3.apply(["batched_take"], log=False)
-                else:
-                    prime_r3.revert(["batched_take"])
+            # Rotated each step: no arm always runs right after the same other arm.
+            for arm in arms[step % len(arms) :] + arms[: step % len(arms)]:
+                prime_r3.revert(["batched_take"])
+                if arm in ("lazy", "lazyw"):
+                    patches.REGISTRY = wrapt_registry if arm == "lazyw" else registry
+                    try:
+                        prime_r3.apply(["batched_take"], log=False)
+                    finally:
+                        patches.REGISTRY = registry
                 outputs, requests, rows = fresh_step(n, "decode", seed + step)
                 ids = list(outputs)
                 starts = np.fromiter((o.token_start for o in outputs.values()), np.int64, n)
@@ -346,9 +413,68 @@ def bench_step_path(n: int, rounds: int, steps: int, seed: int) -> Samples:
                 per_round[f"{arm}_take"].append(t2 - t1)
                 if arm == "fill":
                     per_round["fill_build"].append(t_build - t0)
+                # Freed here, untimed: rebinding them inside the next arm's timed region
+                # would charge it this arm's deallocation (a filled step's N objects).
+                received = step_output = None
         for key, values in per_round.items():
             if values:
                 res[key].append(statistics.median(values))
+    prime_r3.revert(["batched_take"])
+    return res
+
+
+def bench_take_only(n: int, rounds: int, steps: int, seed: int) -> Samples:
+    """take_output per step alone, on a received lazy step: ``plain`` (batched_take as
+    registered) vs ``wrapt`` (the same body as a wrapt wrapper), alternating per step,
+    both installed through the layer; each step's lookup dict is built before timing."""
+    import prime_r3
+    from prime_r3 import patches
+    from prime_r3.fixes.batched_commit import _packed
+    from prime_r3.packed import _Unfilled
+
+    registry = patches.REGISTRY
+    wrapt_registry = tuple(
+        _wrapt_batched_take() if spec.name == "batched_take" else spec for spec in registry
+    )
+    connector = _connector()
+    res: Samples = {"plain": [], "wrapt": []}
+    for _ in range(rounds):
+        per_round: Samples = {k: [] for k in res}
+        for step in range(steps):
+            for arm in ("plain", "wrapt") if step % 2 else ("wrapt", "plain"):
+                prime_r3.revert(["batched_take"])
+                patches.REGISTRY = wrapt_registry if arm == "wrapt" else registry
+                try:
+                    prime_r3.apply(["batched_take"], log=False)
+                finally:
+                    patches.REGISTRY = registry
+                outputs, requests, rows = fresh_step(n, "decode", seed + step)
+                ids = list(outputs)
+                starts = np.fromiter((o.token_start for o in outputs.values()), np.int64, n)
+                everyone = list(range(n))
+                built = _packed(
+                    PackedAuxOutputs,
+                    ids,
+                    starts,
+                    rows.routed_experts,
+                    everyone,
+                    np.arange(n),
+                    [],
+                    [],
+                )
+                received = mq_loads(mq_dumps(built))
+                assert type(received) is _Unfilled
+                received._lookup()  # per step, the same in both arms: not timed here
+                gc.disable()
+                t0 = _clock()
+                taken = take_each(received, requests, connector)
+                t1 = _clock()
+                gc.enable()
+                assert taken == n and type(received) is _Unfilled
+                per_round[arm].append(t1 - t0)
+                received = built = None  # freed untimed
+        for key, values in per_round.items():
+            res[key].append(statistics.median(values))
     prime_r3.revert(["batched_take"])
     return res
 
@@ -359,15 +485,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
-    parser.add_argument("--step-requests", type=int, default=1000)
+    parser.add_argument(
+        "--step-requests",
+        default="400,1000",
+        help="comma list of decode request counts for the step path (default 400,1000)",
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
         "--only-step-path", action="store_true", help="print only issue 10's comparison"
     )
     args = parser.parse_args(argv)
-    for name in ("steps", "rounds", "step_requests"):
+    for name in ("steps", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:
+        step_sizes = [int(x) for x in args.step_requests.split(",")]
+    except ValueError:
+        step_sizes = []
+    if not step_sizes or min(step_sizes) < 1:
+        parser.error(
+            f"--step-requests must be a comma list of integers >= 1, got {args.step_requests!r}"
+        )
     global _clock
     _clock = CLOCKS[args.clock]
     sizes = [int(x) for x in args.requests.split(",")]
@@ -396,26 +534,37 @@ def main(argv: list[str] | None = None) -> int:
             f" |              {_ms(take_d):>6.3f} {_ms(take_p):>6.3f}"
         )
 
-    n = args.step_requests
-    r = bench_step_path(n, args.rounds, args.steps, args.seed)
-    up_tr, fill_tr, lazy_tr = (_ms(r[k]) for k in ("up_tr", "fill_tr", "lazy_tr"))
-    up_take, fill_take, lazy_take = (_ms(r[k]) for k in ("up_take", "fill_take", "lazy_take"))
-    print(
-        f"\nstep path at {n} decode requests (issue 10), medians of {args.rounds} rounds"
-        f" x {args.steps} steps, MessageQueue's pickling in-process:"
-    )
-    print(f"{'arm':<40} {'transport':>9} {'vs up':>6} {'take':>7} {'total':>7} {'vs up':>6}")
-    for label, tr, take in (
-        ("upstream dict, upstream take_output", up_tr, up_take),
-        ("prime filled (packed_outputs only)", fill_tr, fill_take),
-        ("prime lazy + batched_take", lazy_tr, lazy_take),
-    ):
-        total = tr + take
+    for n in step_sizes:
+        r = bench_step_path(n, args.rounds, args.steps, args.seed)
         print(
-            f"{label:<40} {tr:>9.3f} {up_tr / tr:>5.1f}x {take:>7.3f} {total:>7.3f}"
-            f" {(up_tr + up_take) / total:>5.1f}x"
+            f"\nstep path at {n} decode requests (issue 10), medians of {args.rounds} rounds"
+            f" x {args.steps} steps, MessageQueue's pickling in-process:"
         )
-    print(f"(building the packed form, inside prime transport: {_ms(r['fill_build']):.3f} ms)")
+        up_tr, up_take = _ms(r["up_tr"]), _ms(r["up_take"])
+        print(f"{'arm':<44} {'transport':>9} {'vs up':>6} {'take':>7} {'total':>7} {'vs up':>6}")
+        for label, arm in (
+            ("upstream dict, upstream take_output", "up"),
+            ("prime filled (packed_outputs only)", "fill"),
+            ("prime lazy + batched_take (plain function)", "lazy"),
+            ("prime lazy + batched_take as wrapt wrapper", "lazyw"),
+        ):
+            tr, take = _ms(r[f"{arm}_tr"]), _ms(r[f"{arm}_take"])
+            total = tr + take
+            print(
+                f"{label:<44} {tr:>9.3f} {up_tr / tr:>5.1f}x {take:>7.3f} {total:>7.3f}"
+                f" {(up_tr + up_take) / total:>5.1f}x"
+            )
+        print(f"(building the packed form, inside prime transport: {_ms(r['fill_build']):.3f} ms)")
+        t = bench_take_only(n, args.rounds, args.steps, args.seed)
+        plain, wrapped = _ms(t["plain"]), _ms(t["wrapt"])
+        print(
+            f"take_output alone, {n} calls on a lazy step (lookup built before timing), "
+            f"median of {args.rounds} round medians [min, max]: plain {plain:.3f} ms "
+            f"[{_ms(t['plain'], min):.3f}, {_ms(t['plain'], max):.3f}], "
+            f"wrapt {wrapped:.3f} ms [{_ms(t['wrapt'], min):.3f}, {_ms(t['wrapt'], max):.3f}]; "
+            f"wrapt - plain {wrapped - plain:.3f} ms/step "
+            f"({(wrapped - plain) / n * 1e3:.3f} us/call)"
+        )
     if args.only_step_path:
         return 0
 

@@ -10,3 +10,9 @@ class Worker:
 
 def step(x: int) -> int:
     return x + 1
+
+
+class Tools:
+    @staticmethod
+    def scale(x: int) -> int:
+        return x * 3

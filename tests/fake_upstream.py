@@ -13,3 +13,9 @@ class Store:
 
     def get(self, x: int) -> int:
         return x - 1
+
+
+class Tools:
+    @staticmethod
+    def scale(x: int) -> int:
+        return x * 3

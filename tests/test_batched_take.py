@@ -19,19 +19,18 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import copy  # noqa: E402
 import pickle  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
-from types import MethodType  # noqa: E402
+from types import FunctionType, MethodType  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import wrapt  # noqa: E402
 from vllm.distributed.aux_output_connector.connector import (  # noqa: E402
     AuxOutputSchedulerConnector,
     AuxRequestOutput,
 )
 
 import prime_r3  # noqa: E402
-from prime_r3 import guards  # noqa: E402
+from prime_r3 import guards, state  # noqa: E402
 from prime_r3.fixes import batched_take  # noqa: E402
 from prime_r3.packed import PackedAuxOutputs, _Unfilled  # noqa: E402
 from tests import batched_harness as harness  # noqa: E402
@@ -85,9 +84,39 @@ def test_applies_on_every_supported_release_and_reverts(reverted: pytest.MonkeyP
     upstream = AuxOutputSchedulerConnector.__dict__["take_output"]
     _apply("batched_take")
     ours = AuxOutputSchedulerConnector.__dict__["take_output"]
-    assert isinstance(ours, wrapt.FunctionWrapper) and ours.__wrapped__ is upstream
+    assert type(ours) is FunctionType and state.inner_of(ours) is upstream
     prime_r3.revert(["batched_take"])
     assert AuxOutputSchedulerConnector.__dict__["take_output"] is upstream
+
+
+def test_calls_bind_like_upstreams(
+    reverted: pytest.MonkeyPatch, transport: Callable[[Any], Any]
+) -> None:
+    """batched_take is a plain function with upstream's signature and names: keyword
+    calls are served by the slice (before: handed to upstream as ``call``), a malformed
+    call raises upstream's own ``TypeError`` message."""
+    _apply("packed_outputs", "batched_take")
+    batched_take.COUNTERS.reset()
+    outputs, requests = make_step(np.random.default_rng(3), 50)
+    request = next(r for r in requests if r.request_id in outputs)
+    item = outputs[request.request_id]
+    assert 0 <= request.num_tokens - 1 - item.token_start <= len(item.rows)
+    theirs = transport(outputs)
+    ours = transport(PackedAuxOutputs.pack(outputs))
+    take, reference = scheduler_take(), upstream_take()
+
+    def keywords(function: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda request, output: function(output=output, request=request)
+
+    assert result(keywords(take), request, ours) == result(reference, request, theirs)
+    assert batched_take.COUNTERS.snapshot()["fast_requests"] == 1
+    for args in [(request,), (request, ours, None)]:
+        with pytest.raises(TypeError) as expected:
+            reference(*args)
+        with pytest.raises(TypeError) as raised:
+            take(*args)
+        assert str(raised.value) == str(expected.value)
+    assert type(ours) is _Unfilled
 
 
 @pytest.mark.parametrize(

@@ -287,14 +287,18 @@ def test_batched_take_keeps_the_declaration_and_a_foreign_layer_still_stops_it(
     """batched_take's wrapper of upstream's take_output reads the packed form, so the
     declaration stays; anything else in its place (another layer's wrapper, even a wrapt
     one around ours, or one made with functools.wraps) still withholds it. Either apply
-    order: packed_outputs applied after batched_take finds our wrapper on the class."""
+    order: packed_outputs applied after batched_take finds our wrapper on the class.
+
+    batched_take installs a plain function (``Calling.PLAIN``): a clone of it that
+    carries its code, closure, ``__dict__`` and names is still another layer's."""
     import functools
 
     import wrapt
     from vllm.v1.core.sched.output import SchedulerOutput
 
     from prime_r3 import state
-    from prime_r3.packed import READS_MARK
+    from prime_r3.packed import READS_MARK, _reads_lazily
+    from tests.test_plain_calling import _clone
 
     if not hasattr(SchedulerOutput, "make_empty"):
         pytest.skip("no SchedulerOutput.make_empty on this release")
@@ -316,16 +320,20 @@ def test_batched_take_keeps_the_declaration_and_a_foreign_layer_still_stops_it(
     def passthrough(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         return wrapped(*args, **kwargs)
 
+    assert _reads_lazily()  # EngineCore reads received steps unfilled for batched_take
     for foreign in (
         wrapt.FunctionWrapper(ours, passthrough),  # another layer on top of ours
         wrapt.FunctionWrapper(upstream, passthrough),  # another layer's, not ours
         functools.wraps(upstream)(lambda self, request, output: upstream(self, request, output)),
+        _clone(ours),  # a function that copies all ours carries; only identity differs
     ):
         # Put back by hand (not monkeypatch, which would undo after the fixture's revert
         # and so reinstall our wrapper behind prime_r3's back).
         AuxOutputSchedulerConnector.take_output = foreign
         try:
             assert not hasattr(connector.build_connector_meta(empty, {}), READS_MARK), foreign
+            assert not _reads_lazily(), foreign
         finally:
             AuxOutputSchedulerConnector.take_output = ours
     assert getattr(connector.build_connector_meta(empty, {}), READS_MARK) == FORMAT_VERSION
+    assert _reads_lazily()

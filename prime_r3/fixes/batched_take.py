@@ -6,22 +6,26 @@ per request that emits, every step. On a packed step (``packed_outputs``) the fi
 owned rows array per request, then dict lookups, the token range arithmetic and a
 slice. Half of EngineCore's R3 cost at 400 requests was that fill plus those calls.
 
-We wrap ``take_output``. When ``output`` is a received, still unfilled
-``PackedAuxOutputs`` (``prime_r3.packed`` leaves it unfilled in a process where this
-patch is in force) that holds the request and its accepted range is valid
-(``0 <= local_end <= its row count``, upstream's own arithmetic on the same
-``request.request_id`` and ``request.num_tokens``), the result is a fresh array owning
-exactly ``rows[offsets[i]:offsets[i] + local_end]`` of the step: one slice and one
-``.copy()``, the position ``i`` from a map built once per step by C-level
-``dict(zip(ids, range(n)))`` (cached on the step). The step is not filled.
+We replace ``take_output`` with a plain function of its own signature
+(``Calling.PLAIN``): the call count (400-2000 a step) makes wrapt's per-call binding
+(about 0.4 us a call, ten times a plain method call) as costly as the work itself.
+When ``output`` is a received, still unfilled ``PackedAuxOutputs``
+(``prime_r3.packed`` leaves it unfilled in a process where this patch is in force) that
+holds the request and its accepted range is valid (``0 <= local_end <= its row
+count``, upstream's own arithmetic on the same ``request.request_id`` and
+``request.num_tokens``), the result is a fresh array owning exactly
+``rows[low:low + local_end]`` of the step: one dict get, integer arithmetic, one slice
+and one ``.copy()``. The dict (request id -> first row, token start, row count, as
+Python ints) is built once per step by C-level ``zip``s and cached on the step. The
+step is not filled.
 
-Anything else goes to upstream's ``take_output`` itself, so its assertions and their
-messages are upstream's: a plain dict (uniproc executor, an EngineCore whose workers
-send dicts), an already filled step, ``None``, a request missing from the step,
-``local_end < 0`` (upstream returns ``None`` or asserts, depending on
-``request.is_finished()``) and ``local_end`` beyond the request's rows. On a packed step
-that first fallback fills it (upstream reads it as the dict it is); later requests of
-that step then go to upstream too.
+Anything else goes to upstream's ``take_output`` itself (the function under ours,
+called directly), so its assertions and their messages are upstream's: a plain dict
+(uniproc executor, an EngineCore whose workers send dicts), an already filled step,
+``None``, a request missing from the step, ``local_end < 0`` (upstream returns
+``None`` or asserts, depending on ``request.is_finished()``) and ``local_end`` beyond
+the request's rows. On a packed step that first fallback fills it (upstream reads it
+as the dict it is); later requests of that step then go to upstream too.
 
 Memory: upstream returns a view of the request's own array, which keeps that whole
 array alive; ours owns exactly the rows it returns. The unfilled step holds one array
@@ -39,19 +43,21 @@ filled at once as before.
 
 ``COUNTERS``: requests taken by the slice vs by upstream, by reason (``not_packed``: output
 not an unfilled packed step; ``missing``; ``before_start``: ``local_end < 0``;
-``beyond_rows``; ``call``: not called as ``take_output(request, output)``). ``steps``
-counts packed steps read.
+``beyond_rows``). ``steps`` counts packed steps read. Calls bind to upstream's own
+parameters (same names, and the layer gives ours upstream's ``__qualname__``), so a
+call with keywords is served like a positional one and a malformed call raises
+upstream's ``TypeError`` message.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prime_r3.fixes import batched_commit
 from prime_r3.fixes.aux_output import CONNECTOR_MODULE as _CONNECTOR
 from prime_r3.fixes.aux_output import TAKE_OUTPUT
-from prime_r3.spec import PatchSpec, Process, Target, WrapperFn
+from prime_r3.spec import Calling, PatchSpec, PlainFactory, Process, Target
 
 
 class Counters(batched_commit.Counters):
@@ -73,45 +79,47 @@ class Counters(batched_commit.Counters):
 COUNTERS = Counters()
 
 
-def _batched_take(params: Mapping[str, Any]) -> WrapperFn:
+def _batched_take(params: Mapping[str, Any]) -> PlainFactory:
     from prime_r3.packed import _Unfilled  # imports vLLM: only when applying
 
     counters = COUNTERS
 
-    def batched_take(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
-        if len(args) != 2 or kwargs:
-            counters.fallback("call")
-            return wrapped(*args, **kwargs)
-        request, output = args
-        if type(output) is not _Unfilled:
-            counters.fallback("not_packed")
-            return wrapped(request, output)
-        index = output._index
-        if index is None:
-            index = output._lookup()
-            counters.steps += 1
-            counters.batched_steps += 1  # every packed step read is served here
-        # Upstream reads request_id first, then (for a present id) num_tokens.
-        request_id = request.request_id
-        try:
-            i = index.position.get(request_id)
-        except TypeError:  # unhashable id: upstream's `in` raises its own error
-            i = None
-        if i is None:
-            counters.fallback("missing")
-            return wrapped(request, output)
-        low = index.offsets[i]
-        local_end = request.num_tokens - 1 - index.starts[i]
-        if local_end < 0:
-            counters.fallback("before_start")
-            return wrapped(request, output)
-        if local_end > index.offsets[i + 1] - low:
-            counters.fallback("beyond_rows")
-            return wrapped(request, output)
-        counters.fast_requests += 1
-        return index.rows[low : low + local_end].copy()
+    def make(upstream: Callable[..., Any]) -> Callable[..., Any]:
+        """``take_output`` around ``upstream`` (upstream's function or the layer under
+        ours), which every fallback calls with the same arguments."""
 
-    return batched_take
+        def take_output(self, request, output):  # noqa: ANN001, ANN202 - upstream's
+            if type(output) is not _Unfilled:
+                counters.fallback("not_packed")
+                return upstream(self, request, output)
+            index = output._index
+            if index is None:
+                index = output._lookup()
+                counters.steps += 1
+                counters.batched_steps += 1  # every packed step read is served here
+            places, rows = index
+            # Upstream reads request_id first, then (for a present id) num_tokens.
+            try:
+                place = places.get(request.request_id)
+            except TypeError:  # unhashable id: upstream's `in` raises its own error
+                place = None
+            if place is None:
+                counters.fallback("missing")
+                return upstream(self, request, output)
+            low, start, count = place
+            local_end = request.num_tokens - 1 - start
+            if local_end < 0:
+                counters.fallback("before_start")
+                return upstream(self, request, output)
+            if local_end > count:
+                counters.fallback("beyond_rows")
+                return upstream(self, request, output)
+            counters.fast_requests += 1
+            return rows[low : low + local_end].copy()
+
+        return take_output
+
+    return make
 
 
 SPEC = PatchSpec(
@@ -124,7 +132,13 @@ SPEC = PatchSpec(
     # take_output is byte-identical in vLLM 0.31.0, 0.32.0 and 0.33.0; its only inputs
     # are the request's request_id / num_tokens / is_finished() and the step output.
     targets=(
-        Target(_CONNECTOR, "AuxOutputSchedulerConnector.take_output", TAKE_OUTPUT, _batched_take),
+        Target(
+            _CONNECTOR,
+            "AuxOutputSchedulerConnector.take_output",
+            TAKE_OUTPUT,
+            _batched_take,
+            calling=Calling.PLAIN,  # called per request per step: no wrapt binding
+        ),
     ),
     diff_pending=(
         "its upstream form is a packed step type that take_output slices, "

@@ -489,9 +489,8 @@ def _sub_step(
 
 def _rows_at(rows: np.ndarray, at: np.ndarray) -> np.ndarray:
     """``rows[at]`` for increasing positions ``at``: a slice view when they are one
-    contiguous run (the common step), so no step-sized temporary is allocated and
-    freed each step (~150 KB at N=400: above glibc's mmap threshold, i.e. an mmap,
-    page faults and an munmap per step); else one gather."""
+    contiguous run (the common step), so no step-sized temporary (~150 KB at N=400)
+    is written, read and freed each step; else one gather."""
     first = int(at[0])
     if int(at[-1]) - first + 1 == len(at):
         return rows[first : first + len(at)]

@@ -10,8 +10,10 @@ import wrapt
 
 import prime_r3
 from prime_r3 import fingerprint, guards, layer, state
-from prime_r3.spec import Anchor, PatchSpec, Process, Target
+from prime_r3.spec import Anchor, Target
 from tests import fake_layers, fake_upstream
+from tests.fake_specs import fp as _fp
+from tests.fake_specs import spec as _spec
 
 MOD = "tests.fake_upstream"
 
@@ -24,21 +26,6 @@ def _add(n: int):  # noqa: ANN202
         return wrapper
 
     return factory
-
-
-def _fp(obj: object) -> frozenset[str]:
-    return frozenset({fingerprint.of_object(obj)})
-
-
-def _spec(name: str, *targets: Target, **kw) -> PatchSpec:  # noqa: ANN003
-    return PatchSpec(
-        name=name,
-        summary="test",
-        targets=targets,
-        vllm_range=kw.pop("vllm_range", ">=0.31,<0.34"),
-        processes=frozenset({Process.WORKER}),
-        **kw,
-    )
 
 
 @pytest.fixture

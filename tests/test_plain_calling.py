@@ -22,9 +22,11 @@ import pytest
 import wrapt
 
 import prime_r3
-from prime_r3 import fingerprint, layer, state
-from prime_r3.spec import Anchor, Calling, PatchSpec, Process, Target
+from prime_r3 import layer, state
+from prime_r3.spec import Anchor, Calling, PatchSpec, Target
 from tests import fake_layers, fake_upstream
+from tests.fake_specs import fp as _fp
+from tests.fake_specs import spec as _spec
 
 MOD = "tests.fake_upstream"
 PUT = f"{MOD}:Store.put"
@@ -57,21 +59,6 @@ def _factory(name: str, change: Callable[[int], int], calling: Calling) -> Any:
         return make
 
     return plain_factory
-
-
-def _spec(name: str, *targets: Target, anchors: tuple[Anchor, ...] = ()) -> PatchSpec:
-    return PatchSpec(
-        name=name,
-        summary="test",
-        targets=targets,
-        vllm_range=">=0.31,<0.34",
-        processes=frozenset({Process.WORKER}),
-        anchors=anchors,
-    )
-
-
-def _fp(obj: object) -> frozenset[str]:
-    return frozenset({fingerprint.of_object(obj)})
 
 
 def _put_target(name: str, change: Callable[[int], int], calling: Calling) -> Target:

@@ -19,8 +19,10 @@ import wrapt
 
 import prime_r3
 from prime_r3 import fingerprint, layer, state
-from prime_r3.spec import PatchSpec, Process, Target
+from prime_r3.spec import PatchSpec, Target
 from tests import fake_layers, fake_upstream
+from tests.fake_specs import fp as _fp
+from tests.fake_specs import spec as _spec
 
 MOD = "tests.fake_upstream"
 PUT = f"{MOD}:Store.put"
@@ -38,21 +40,11 @@ def _recording(name: str, change):  # noqa: ANN001, ANN202
     return factory
 
 
-def _spec(name: str, *targets: Target) -> PatchSpec:
-    return PatchSpec(
-        name=name,
-        summary="test",
-        targets=targets,
-        vllm_range=">=0.31,<0.34",
-        processes=frozenset({Process.WORKER}),
-    )
-
-
 def _target(attr: str, factory) -> Target:  # noqa: ANN001
     obj = fake_upstream
     for part in attr.split("."):
         obj = getattr(obj, part)
-    return Target(MOD, attr, frozenset({fingerprint.of_object(obj)}), factory)
+    return Target(MOD, attr, _fp(obj), factory)
 
 
 INNER = _spec("inner", _target("Store.put", _recording("inner", lambda r: r + 1)))

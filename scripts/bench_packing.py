@@ -352,6 +352,48 @@ def _wrapt_batched_take() -> Any:
     return dataclasses.replace(batched_take.SPEC, targets=(wrapt_target,))
 
 
+def _take_registries() -> tuple[Any, Any]:
+    """The registry, and a copy with batched_take as ``_wrapt_batched_take``."""
+    from prime_r3 import patches
+
+    registry = patches.REGISTRY
+    wrapt_registry = tuple(
+        _wrapt_batched_take() if spec.name == "batched_take" else spec for spec in registry
+    )
+    return registry, wrapt_registry
+
+
+def _install_take(registry: Any, use: Any) -> None:
+    """batched_take reverted, then applied from ``use`` (a registry) unless it is None."""
+    import prime_r3
+    from prime_r3 import patches
+
+    prime_r3.revert(["batched_take"])
+    if use is None:
+        return
+    patches.REGISTRY = use
+    try:
+        prime_r3.apply(["batched_take"], log=False)
+    finally:
+        patches.REGISTRY = registry
+
+
+def _packed_args(outputs: dict[str, Any], rows: Any, n: int) -> tuple[Any, ...]:
+    """``batched_commit._packed``'s arguments for a step whose every request is fast,
+    prepared outside any timed region (the fast path has them as arrays already)."""
+    starts = np.fromiter((o.token_start for o in outputs.values()), np.int64, n)
+    return (
+        PackedAuxOutputs,
+        list(outputs),
+        starts,
+        rows.routed_experts,
+        list(range(n)),
+        np.arange(n),
+        [],
+        [],
+    )
+
+
 def bench_step_path(n: int, rounds: int, steps: int, seed: int) -> Samples:
     """Issue 10's transport and take comparison; arms round-robin within each round.
 
@@ -359,13 +401,10 @@ def bench_step_path(n: int, rounds: int, steps: int, seed: int) -> Samples:
     installed as a wrapt wrapper (``_wrapt_batched_take``), both through the layer.
     """
     import prime_r3
-    from prime_r3 import patches
     from prime_r3.fixes.batched_commit import _packed
 
-    registry = patches.REGISTRY
-    wrapt_registry = tuple(
-        _wrapt_batched_take() if spec.name == "batched_take" else spec for spec in registry
-    )
+    registry, wrapt_registry = _take_registries()
+    uses = {"up": None, "fill": None, "lazy": registry, "lazyw": wrapt_registry}
     connector = _connector()
     arms = ("up", "fill", "lazy", "lazyw")
     res: Samples = {f"{arm}_{part}": [] for arm in arms for part in ("tr", "take")}
@@ -375,33 +414,15 @@ def bench_step_path(n: int, rounds: int, steps: int, seed: int) -> Samples:
         for step in range(steps):
             # Rotated each step: no arm always runs right after the same other arm.
             for arm in arms[step % len(arms) :] + arms[: step % len(arms)]:
-                prime_r3.revert(["batched_take"])
-                if arm in ("lazy", "lazyw"):
-                    patches.REGISTRY = wrapt_registry if arm == "lazyw" else registry
-                    try:
-                        prime_r3.apply(["batched_take"], log=False)
-                    finally:
-                        patches.REGISTRY = registry
+                _install_take(registry, uses[arm])
                 outputs, requests, rows = fresh_step(n, "decode", seed + step)
-                ids = list(outputs)
-                starts = np.fromiter((o.token_start for o in outputs.values()), np.int64, n)
-                everyone = list(range(n))
-                positions = np.arange(n)
+                args = _packed_args(outputs, rows, n)
                 gc.disable()
                 t0 = _clock()
                 if arm == "up":
                     received = mq_loads(mq_dumps(outputs))
                 else:
-                    step_output = _packed(
-                        PackedAuxOutputs,
-                        ids,
-                        starts,
-                        rows.routed_experts,
-                        everyone,
-                        positions,
-                        [],
-                        [],
-                    )
+                    step_output = _packed(*args)
                     t_build = _clock()
                     received = mq_loads(mq_dumps(step_output))
                 t1 = _clock()
@@ -428,40 +449,20 @@ def bench_take_only(n: int, rounds: int, steps: int, seed: int) -> Samples:
     registered) vs ``wrapt`` (the same body as a wrapt wrapper), alternating per step,
     both installed through the layer; each step's lookup dict is built before timing."""
     import prime_r3
-    from prime_r3 import patches
     from prime_r3.fixes.batched_commit import _packed
     from prime_r3.packed import _Unfilled
 
-    registry = patches.REGISTRY
-    wrapt_registry = tuple(
-        _wrapt_batched_take() if spec.name == "batched_take" else spec for spec in registry
-    )
+    registry, wrapt_registry = _take_registries()
+    uses = {"plain": registry, "wrapt": wrapt_registry}
     connector = _connector()
     res: Samples = {"plain": [], "wrapt": []}
     for _ in range(rounds):
         per_round: Samples = {k: [] for k in res}
         for step in range(steps):
             for arm in ("plain", "wrapt") if step % 2 else ("wrapt", "plain"):
-                prime_r3.revert(["batched_take"])
-                patches.REGISTRY = wrapt_registry if arm == "wrapt" else registry
-                try:
-                    prime_r3.apply(["batched_take"], log=False)
-                finally:
-                    patches.REGISTRY = registry
+                _install_take(registry, uses[arm])
                 outputs, requests, rows = fresh_step(n, "decode", seed + step)
-                ids = list(outputs)
-                starts = np.fromiter((o.token_start for o in outputs.values()), np.int64, n)
-                everyone = list(range(n))
-                built = _packed(
-                    PackedAuxOutputs,
-                    ids,
-                    starts,
-                    rows.routed_experts,
-                    everyone,
-                    np.arange(n),
-                    [],
-                    [],
-                )
+                built = _packed(*_packed_args(outputs, rows, n))
                 received = mq_loads(mq_dumps(built))
                 assert type(received) is _Unfilled
                 received._lookup()  # per step, the same in both arms: not timed here

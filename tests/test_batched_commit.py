@@ -186,6 +186,23 @@ def test_whole_step_goes_upstream_when_the_step_is_malformed(reverted: pytest.Mo
     assert batched_commit.COUNTERS.snapshot()["fallback_reasons"] == {"step": 2}
 
 
+def _decode_pending(
+    connector: Any, ids: list[str], starts: list[int], qsl: list[int], rows: np.ndarray
+) -> Any:
+    """A copied step for ``ids`` (query start locations ``qsl``), every request sampling
+    one token and rejecting none, with the runner's int32 arrays."""
+    return aux_worker.PendingAuxOutput(
+        connector=connector,
+        request_ids=ids,
+        token_starts=np.array(starts, dtype=np.int32),
+        query_start_loc=np.array(qsl, dtype=np.int32),
+        routed_experts_gpu=None,
+        routed_experts=rows,
+        num_sampled=np.ones(len(ids), dtype=np.int32),
+        num_rejected=np.zeros(len(ids), dtype=np.int32),
+    )
+
+
 def _same_key_step(reference: bool) -> tuple[list[int], dict[str, list[int]]]:
     """A (decode, fast path) and B (prefill chunk, fallback) complete the same block key K
     in one step with different routing; then C hits the prefix cache on K and emits from
@@ -216,16 +233,7 @@ def _same_key_step(reference: bool) -> tuple[list[int], dict[str, list[int]]]:
             connector._requests["C"] = state(
                 aux_output_keys=[key], emit_cursor=0, pending_outputs=1
             )
-        pending = aux_worker.PendingAuxOutput(
-            connector=connector,
-            request_ids=ids,
-            token_starts=np.array(starts),
-            query_start_loc=np.array(qsl, dtype=np.int32),
-            routed_experts_gpu=None,
-            routed_experts=step_rows,
-            num_sampled=np.ones(len(ids), dtype=np.int64),
-            num_rejected=np.zeros(len(ids), dtype=np.int64),
-        )
+        pending = _decode_pending(connector, ids, starts, qsl, step_rows)
         connector._pending_outputs.append(pending)
         outputs.update(connector.process_output(pending))
     _, payloads, _, _ = harness.store_state(connector)
@@ -284,16 +292,7 @@ def _decode_step(
         connector._requests["p"].pending_outputs += 1
         ids, starts, qsl = [*ids, "p"], [*starts, 0], [*qsl, n + 8]
     snapshot = rng.integers(0, 1 << 16, (qsl[-1], 256, 8), dtype=np.uint16)
-    pending = aux_worker.PendingAuxOutput(
-        connector=connector,
-        request_ids=ids,
-        token_starts=np.array(starts, dtype=np.int32),
-        query_start_loc=np.array(qsl, dtype=np.int32),
-        routed_experts_gpu=None,
-        routed_experts=snapshot,
-        num_sampled=np.ones(len(ids), dtype=np.int32),
-        num_rejected=np.zeros(len(ids), dtype=np.int32),
-    )
+    pending = _decode_pending(connector, ids, starts, qsl, snapshot)
     connector._pending_outputs.append(pending)
     tracemalloc.start()
     try:

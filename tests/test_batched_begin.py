@@ -166,13 +166,18 @@ def test_in_flight_emit_ahead_stays_fast(reverted: pytest.MonkeyPatch) -> None:
     assert counts["fast_requests"] == 2, counts
 
 
-@pytest.mark.parametrize("new_at", [(0, 17), (0, 3, 9, 17, 25, 33, 40, 41)], ids=["few", "many"])
+@pytest.mark.parametrize(
+    "new_at",
+    [(0, 17), (0, 3, 9, 17, 25, 33, 40, 41), (40, 41, 42), (17, 41)],
+    ids=["few", "many", "tail", "middle_and_tail"],
+)
 def test_new_requests_among_known_ones_keep_the_scheduler_order(
     reverted: pytest.MonkeyPatch, new_at: tuple[int, ...]
 ) -> None:
-    """New requests anywhere among the known ones (a few: found by position; many: one
-    pass) reach upstream in the scheduler's order, so the worker's states are made in
-    upstream's order with upstream's values; a known one ahead of its settled cursor
+    """New requests anywhere among the known ones (all after them, as the scheduler
+    orders them: taken from the tail; elsewhere: one pass) reach upstream in the
+    scheduler's order, so the worker's states are made in upstream's order with
+    upstream's values; a known one ahead of its settled cursor
     still hands the whole metadata to upstream, new ones or not."""
     _apply("batched_begin")
     batched_begin.COUNTERS.reset()

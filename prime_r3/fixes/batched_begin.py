@@ -131,13 +131,17 @@ _NEW = _New()
 
 def _in_order(scheduled: dict[str, Any], unknown: set[str]) -> dict[str, Any]:
     """``{r: e for r, e in scheduled.items() if r in unknown}``: upstream creates the new
-    states in the scheduler's order. A few new requests among many (the common step)
-    are found by position (``list.index``: C compares, identity first) instead of a
-    Python pass over every scheduled request."""
-    if len(unknown) * 16 > len(scheduled):
-        return {r: e for r, e in scheduled.items() if r in unknown}
+    states in the scheduler's order. The scheduler schedules running requests before
+    waiting ones, and ``build_connector_meta`` keeps that order, so the new requests are
+    normally the last ``len(unknown)`` keys: then they are taken from that tail (C-level
+    slices and one set check) instead of a Python pass over every scheduled request.
+    Anywhere else, the pass. (A review measured an earlier ``list.index`` search: it
+    scanned the whole list per new request, 2.8-45x slower than the pass.)"""
     keys = list(scheduled)
-    return {keys[i]: scheduled[keys[i]] for i in sorted(map(keys.index, unknown))}
+    tail = keys[len(keys) - len(unknown) :]
+    if unknown.issuperset(tail):  # as many keys as unknown ids, all unknown: exactly them
+        return {r: scheduled[r] for r in tail}
+    return {r: e for r, e in scheduled.items() if r in unknown}
 
 
 # Verified source fingerprints (scripts/fingerprint.py): begin_step is identical in vLLM

@@ -52,10 +52,6 @@ from itertools import repeat
 from typing import Any, NamedTuple
 
 import numpy as np
-from vllm.distributed.aux_output_connector.connector import (
-    AuxOutputSchedulerConnector,
-    AuxRequestOutput,
-)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -131,7 +127,7 @@ class _Index(NamedTuple):
     rows: np.ndarray
 
 
-class PackedAuxOutputs(dict[str, AuxRequestOutput]):
+class PackedAuxOutputs(dict[str, "AuxRequestOutput"]):
     """Upstream's ``request_id -> AuxRequestOutput`` dict that pickles as one rows array.
 
     See the module docstring for what each side holds. The dict's content is the
@@ -573,3 +569,17 @@ def _prime_r3_version() -> str:
     except ImportError:  # pragma: no cover - prime_r3 is this package
         return "unknown"
     return __version__
+
+
+# vLLM's connector module is imported last, on purpose. Importing it runs prime_r3's
+# post-import hooks for it when apply() left patches waiting for that import, and those
+# patches' factories read this module's names (FORMAT_VERSION, _Unfilled, ...). When
+# this module is the first to import the connector (user code, a bench script, or a
+# process that unpickles a packed step first), an import at the top would run the hooks
+# while none of those names exists yet: the factories would fail and packed_outputs and
+# batched_take would roll back. Here every name is already defined when the hooks run;
+# the two classes below are read only when a step is built or taken, never at install.
+from vllm.distributed.aux_output_connector.connector import (  # noqa: E402
+    AuxOutputSchedulerConnector,
+    AuxRequestOutput,
+)

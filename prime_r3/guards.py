@@ -255,7 +255,7 @@ def _peel(obj: Any, ours_ok: bool) -> tuple[Any, list[Any]]:
     """The innermost object under ``obj`` and the wrapper layers above it, outermost first."""
     layers: list[Any] = []
     while len(layers) < 64:  # a __wrapped__ cycle ends here, as too many layers
-        if ours_ok and state.is_object_patched(obj):
+        if ours_ok and state.is_ours(obj):  # in force or a pass-through
             obj = state.inner_of(obj)  # what our layer calls (by identity, any kind)
         elif type(obj) in (staticmethod, classmethod):  # both have __wrapped__ since 3.10
             obj = obj.__func__

@@ -18,6 +18,19 @@ would cost seconds and, for ``vllm.v1.worker.gpu_worker``, start helper processe
 the API server and EngineCore). They are installed by a post-import hook when vLLM
 imports them, after the same guards; a guard failing then rolls back the patch's
 other targets too. Until then the patch is reported as pending import.
+
+That rollback can meet a layer of ours that another layer (another tool's wrapper) now
+sits on, in a module imported before. Removing ours would drop theirs (they hold ours
+and call it), and leaving ours working would leave the patch half-applied. So every
+layer is built so that it can be made a pass-through in place: a wrapt layer gets a
+switch wrapt reads on every call (``enabled=``, a list: empty means call the wrapped
+object directly), a plain function gets a second code object that calls exactly the
+callable it was built around (swapped in as its ``__code__``; the function object,
+which the other layer holds, stays the same). The rollback makes every layer of the
+patch a pass-through, removes each one it can reach through our own layers only, and
+records the rest as inert with the reason: status reports the patch skipped,
+``is_object_patched`` is False for them, and the next apply or revert removes each one
+whose other layer has gone.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ import logging
 import os
 import sys
 import types
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -136,6 +150,7 @@ def apply(
     version = guards.installed_vllm_version()
     outcomes = []
     with state.lock():
+        _sweep_inert()
         for spec in specs:
             if not settings.enabled:
                 outcomes.append(_outcome(spec, DISABLED, f"{config.ENABLE_VAR}=0"))
@@ -143,6 +158,8 @@ def apply(
                 outcomes.append(_outcome(spec, DISABLED, f"not selected by {config.PATCHES_VAR}"))
             elif (in_force := _in_force(spec, ALREADY)) is not None:
                 outcomes.append(in_force)
+            elif (inert := _inert_outcome(spec)) is not None:
+                outcomes.append(inert)  # its pass-through still sits under another layer
             else:
                 params = settings.params[spec.name]
                 outcomes.append(_apply_spec(spec, version, params, spec.name in requested))
@@ -162,20 +179,36 @@ def revert(names: Iterable[str] | None = None) -> Report:
     stay in force around upstream's object. A target that another layer has since
     wrapped again is left in place (removing it would drop that layer too); its patch
     stays active and is reported as kept.
+
+    A patch an import hook rolled back may have left pass-throughs under other layers
+    (see the module's docstring): those that can go now are removed (reported
+    reverted), the others stay (reported kept, with the reason). ``on_revert`` runs
+    after the records are gone, so a failing one leaves no record saying the patch is
+    in force (a pending import hook would then complete a patch whose other targets
+    are gone); its error is logged and put in the outcome's reason.
     """
     specs = registry()
     wanted = set(_known(names, specs)) if names is not None else {s.name for s in specs}
     outcomes = []
     with state.lock():
+        had_inert = {name for name, _, _ in state.inert_entries()}
+        _sweep_inert()
         for spec in reversed(specs):
             if spec.name not in wanted:
                 continue
+            if (inert := _inert_outcome(spec)) is not None:
+                outcomes.append(_outcome(spec, KEPT, inert.reason))
+                continue
             wrappers = state.active_wrappers(spec.name)
             if wrappers is None:
-                outcomes.append(_outcome(spec, NOT_ACTIVE))
+                gone = spec.name in had_inert  # its pass-throughs were just removed
+                outcomes.append(_outcome(spec, REVERTED if gone else NOT_ACTIVE))
                 continue
             reason = _uninstall(spec, wrappers)
-            outcomes.append(_outcome(spec, KEPT, reason) if reason else _outcome(spec, REVERTED))
+            if reason:
+                outcomes.append(_outcome(spec, KEPT, reason))
+            else:
+                outcomes.append(_outcome(spec, REVERTED, _run_on_revert(spec)))
     return Report(guards.installed_vllm_version(), tuple(reversed(outcomes)))
 
 
@@ -188,6 +221,8 @@ def status(environ: Mapping[str, str] | None = None) -> Report:
     for spec in specs:
         if (in_force := _in_force(spec, APPLIED)) is not None:
             outcomes.append(in_force)
+        elif (inert := _inert_outcome(spec)) is not None:
+            outcomes.append(inert)
         elif not settings.enabled:
             outcomes.append(_outcome(spec, DISABLED, f"{config.ENABLE_VAR}=0"))
         elif spec.name not in settings.selected:
@@ -272,6 +307,13 @@ def _in_force(spec: PatchSpec, installed: str) -> Outcome | None:
     return _outcome(spec, installed, _stack_note(spec, live=True))
 
 
+def _inert_outcome(spec: PatchSpec) -> Outcome | None:
+    """``spec`` skipped because an import hook rolled it back leaving pass-throughs
+    under other layers (None if it left none)."""
+    reason = state.inert_reason(spec.name)
+    return None if reason is None else _outcome(spec, SKIPPED, reason)
+
+
 def _stack_note(spec: PatchSpec, live: bool = False) -> str:
     """Which registry patches share a target with ``spec`` (``live``: whose wrapper is
     installed there now), and on which side of it their wrappers go ("" if none): the
@@ -346,12 +388,13 @@ def _on_import(
     _module_object: object,
 ) -> None:
     """Post-import hook: guard this module's live objects and install its targets,
-    or roll the whole patch back."""
+    or roll the whole patch back (``_retire``): no target of it keeps doing its work."""
     with state.lock():
         waiting = state.pending_modules(spec.name, token)
         if waiting is None or module not in waiting:
             return  # reverted, or re-applied since this hook was registered
         try:
+            _sweep_inert()  # pass-throughs whose other layer left: never in a chain we build
             # The live objects are guarded again: another layer may have replaced one
             # since apply() checked the file.
             unit = _unit_items(spec, version, [module])
@@ -366,21 +409,112 @@ def _on_import(
                 state.clear_pending(spec.name)
             logger.debug("prime_r3: %s installed on import of %s", spec.name, module)
             return
-        kept = _uninstall(spec, state.active_wrappers(spec.name) or {})
-        if kept:  # another layer sits on ours: keep the record so revert can report it
-            state.clear_pending(spec.name)
+        try:
+            note = _retire(spec, f"on import of {module}: {reason}")
+        except Exception as error:  # noqa: BLE001 - never break vLLM's import
+            note = f"rolling it back failed: {type(error).__name__}: {error}"
     # Never raise from an import hook: it would abort vLLM's import half-way and skip
     # other patches' hooks on the same module. The guards already ran at apply() (from
     # the files), so reaching here means the module changed between apply and import.
     level = logging.ERROR if requested else logging.WARNING
-    logger.log(
-        level,
-        "prime_r3: %s skipped on import of %s: %s (%s)",
-        spec.name,
-        module,
-        reason,
-        kept or "its other targets were rolled back",
-    )
+    message = "prime_r3: %s skipped on import of %s: %s (%s)"
+    logger.log(level, message, spec.name, module, reason, note)
+
+
+def _retire(spec: PatchSpec, reason: str) -> str:
+    """Roll ``spec`` back from an import hook so that none of its targets does its work.
+
+    Every installed layer of it is made a pass-through first (it cannot fail: each
+    layer was built able to), then each one reachable through our own layers is removed
+    (other patches' layers outside it rebuilt around what it wrapped). One under a
+    layer that is not prime_r3's stays, recorded as inert with ``reason``: removing it
+    would drop that other layer, which holds ours and calls it. Why not keep the patch
+    whole instead: the module just imported failed its guards, so its targets cannot be
+    installed, and the patch's work on only some targets is what the guards exist to
+    prevent. Why not take ours out from under the other layer: that means writing to
+    its object (its ``__wrapped__``, or a closure we cannot reach), which is not ours.
+    Returns what happened to the other targets, for the log and the status.
+    """
+    layers = state.active_wrappers(spec.name) or {}
+    for layer in layers.values():
+        _make_pass_through(layer)
+    state.make_inert(spec.name, reason)
+    _sweep_inert()
+    left = sorted(state.inert_layers(spec.name))
+    failed = _run_on_revert(spec)
+    if not left:
+        note = "its other targets were rolled back"
+    else:
+        note = (
+            f"its other targets were rolled back; at {', '.join(left)} a layer that is not "
+            "prime_r3's sits on ours, so ours stays under it as a pass-through that calls "
+            "exactly what it wrapped (removing it would break that layer)"
+        )
+        state.set_inert_reason(spec.name, f"{reason} ({note})")  # what status reports
+    return f"{note}; {failed}" if failed else note
+
+
+def _run_on_revert(spec: PatchSpec) -> str:
+    """Run ``spec.on_revert`` (its records already gone); "" or why it failed, logged."""
+    if spec.on_revert is None:
+        return ""
+    try:
+        spec.on_revert()
+    except Exception as error:  # noqa: BLE001 - the layers are gone already: report it
+        why = f"on_revert failed: {type(error).__name__}: {error}"
+        logger.error("prime_r3: %s %s", spec.name, why)
+        return why
+    return ""
+
+
+def _sweep_inert() -> None:
+    """Remove every pass-through (``state.make_inert``) that no layer but ours sits on.
+
+    A pass-through no longer in its target's chain, whose chain is ours alone down to
+    upstream's saved object (the other layer was taken off together with ours), is
+    gone already: only its record is dropped.
+    """
+    for name, key, layer in state.inert_entries():
+        if state.inert_layers(name).get(key) is not layer:
+            continue  # removed with another one just now
+        target = _target_of(name, key)
+        if target is None or target.module not in sys.modules:
+            continue  # never import a module to tidy up
+        resolved = guards.resolve(target)
+        if isinstance(resolved, str):
+            continue
+        found, base = state.layers(resolved.raw)
+        position = next((i for i, (_, w) in enumerate(found) if w is layer), None)
+        if position is None:
+            if base is state.saved_original(key):
+                state.drop_inert(name, key)
+            continue
+        try:
+            top, rebuilt = _rewrap(state.inner_of(layer), found[:position], key, base)
+        except Exception as error:  # noqa: BLE001 - a plain factory that fails: keep it
+            logger.warning("prime_r3: pass-through of %s at %s kept: %s", name, key, error)
+            continue
+        setattr(resolved.owner, resolved.name, top)
+        _record_rebuilt(key, rebuilt)
+        state.drop_inert(name, key)
+        logger.debug("prime_r3: pass-through of %s removed from %s", name, key)
+
+
+def _target_of(name: str, key: str) -> Target | None:
+    for spec in registry():
+        if spec.name == name:
+            return next((t for t in spec.targets if t.key == key), None)
+    return None
+
+
+def _record_rebuilt(key: str, rebuilt: Mapping[str, tuple[Any, Any | None] | None]) -> None:
+    """Record the layers ``_rewrap`` rebuilt at ``key``, and forget the pass-throughs it
+    dropped (None)."""
+    for other, layer in rebuilt.items():
+        if layer is None:
+            state.drop_inert(other, key)
+        else:
+            state.replace_wrapper(other, key, *layer)
 
 
 def _unit_items(
@@ -433,8 +567,7 @@ def _install_units(
         if inner is not None:
             inners[plan.key] = inner
         functions[plan.key] = plan.builder
-        for other, (wrapper, other_inner) in plan.rebuilt.items():
-            state.replace_wrapper(other, plan.key, wrapper, other_inner)
+        _record_rebuilt(plan.key, plan.rebuilt)
     state.add_wrappers(spec.name, wrappers, functions, inners)
     return None
 
@@ -448,8 +581,9 @@ class _Stack:
     #: The object to install: the whole chain, outermost wrapper.
     top: Any
     #: The wrappers built for it, by patch (the new one, and those rebuilt outside it),
-    #: each with what it calls if it is a plain function (``_Builder.build``).
-    rebuilt: dict[str, tuple[Any, Any | None]]
+    #: each with what it calls if it is a plain function (``_Builder.build``); None for
+    #: a pass-through outside it that the new chain drops.
+    rebuilt: dict[str, tuple[Any, Any | None] | None]
     #: Upstream's object under every wrapper.
     original: Any
     #: The new patch's builder (kept to rebuild its wrapper later).
@@ -475,8 +609,74 @@ class _Builder:
         layer), and ``inner`` again if the layer is a plain function (what ``state``
         records as under it), else None."""
         if self.calling is Calling.WRAPT:
-            return wrapt.FunctionWrapper(inner, self.made), None
+            switch = [True]  # emptied by _make_pass_through; wrapt tests its truth per call
+            layer = wrapt.FunctionWrapper(inner, self.made, enabled=switch)
+            if getattr(layer, "_self_enabled", None) is not switch:
+                raise TypeError("this wrapt keeps no switch prime_r3 can reach (_self_enabled)")
+            return layer, None
         return _plain_layer(self.made, inner, upstream, self.on_class), inner
+
+
+#: Our plain layers -> the code that makes each a pass-through (weak: dies with it).
+_PASS_THROUGH: weakref.WeakKeyDictionary[types.FunctionType, types.CodeType] = (
+    weakref.WeakKeyDictionary()
+)
+_ARGS, _KWARGS = "prime_r3_args", "prime_r3_kwargs"
+
+
+def _pass_through_code(function: types.FunctionType, call: Any) -> types.CodeType:
+    """A code object for ``function`` that calls ``call`` with the arguments it gets
+    and returns its result, nothing else; swapped in when the layer must stay as a
+    pass-through.
+
+    A function's closure cannot change, so the code must use the same cells: it is
+    compiled with ``function``'s free variables (same names, so the same order) and
+    calls the one of them that holds ``call``. A function that does not hold ``call``
+    in its own closure cannot be made a pass-through, so it is refused when built.
+    """
+    names = function.__code__.co_freevars
+    cells = function.__closure__ or ()
+    index = None
+    for i, cell in enumerate(cells):
+        try:
+            if cell.cell_contents is call:
+                index = i
+                break
+        except ValueError:  # an empty cell
+            continue
+    if index is None or {_ARGS, _KWARGS} & set(names):
+        raise TypeError(
+            f"a Calling.PLAIN function must call the callable it is given from its own "
+            f"closure (so prime_r3 can make it a pass-through); {function.__qualname__} "
+            f"does not hold it there"
+        )
+    source = (
+        "def cells():\n"
+        f"    {' = '.join(names)} = None\n"
+        f"    def pass_through(*{_ARGS}, **{_KWARGS}):\n"
+        "        if False:\n"
+        f"            ({', '.join(names)},)\n"
+        f"        return {names[index]}(*{_ARGS}, **{_KWARGS})\n"
+        "    return pass_through\n"
+    )
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "<prime_r3 pass-through>", "exec"), namespace)  # noqa: S102
+    code = namespace["cells"]().__code__
+    if code.co_freevars != names:
+        raise TypeError(f"{function.__qualname__}: cannot build its pass-through")
+    return code.replace(co_name=function.__code__.co_name, co_qualname=function.__qualname__)
+
+
+def _make_pass_through(layer: Any) -> None:
+    """Make our installed ``layer`` call exactly what it wraps, in place (see the
+    module's docstring): the object stays, as another layer may hold it."""
+    if isinstance(layer, wrapt.FunctionWrapper):
+        switch = layer._self_enabled
+        if type(switch) is not list:
+            raise TypeError(f"{layer!r} has no switch")
+        switch.clear()
+    else:
+        layer.__code__ = _PASS_THROUGH[layer]
 
 
 #: What wrapt passes a wrapper on every call, positionally.
@@ -565,6 +765,7 @@ def _plain_layer(factory: Any, inner: Any, upstream: Any, on_class: bool) -> typ
     mismatch = _signature_mismatch(function, upstream)
     if mismatch is not None:
         raise TypeError(f"the Calling.PLAIN function's parameters {mismatch}")
+    _PASS_THROUGH[function] = _pass_through_code(function, call)
     return functools.update_wrapper(function, inner)
 
 
@@ -604,18 +805,24 @@ def _insert(name: str, target: Target, resolved: guards.Resolved, builder: _Buil
 
 def _rewrap(
     inner: Any, outside: Sequence[tuple[str, Any]], key: str, upstream: Any
-) -> tuple[Any, dict[str, tuple[Any, Any | None]]]:
+) -> tuple[Any, dict[str, tuple[Any, Any | None] | None]]:
     """Wrap ``inner`` again in the patches of ``outside`` (outermost first, as found),
-    each with the builder it installed; the new top and the layers by patch."""
-    rebuilt = {}
-    for other, _ in reversed(outside):
-        rebuilt[other] = state.wrapper_function(other, key).build(inner, upstream)
-        inner = rebuilt[other][0]
+    each with the builder it installed; the new top and the layers by patch. A
+    pass-through among them is dropped (None), not rebuilt: it does nothing."""
+    rebuilt: dict[str, tuple[Any, Any | None] | None] = {}
+    for other, layer in reversed(outside):
+        if state.is_inert(layer):
+            rebuilt[other] = None
+            continue
+        made = state.wrapper_function(other, key).build(inner, upstream)
+        rebuilt[other] = made
+        inner = made[0]
     return inner, rebuilt
 
 
 def _uninstall(spec: PatchSpec, wrappers: Mapping[str, Any]) -> str | None:
     """Remove exactly ``spec``'s wrappers, every target or none; the reason if kept.
+    (The caller runs ``spec.on_revert`` once this returned None.)
 
     Other patches' wrappers outside ours are rebuilt around what ours wrapped (their
     wrapper functions unchanged), those inside are untouched: the rest of the stack
@@ -638,9 +845,6 @@ def _uninstall(spec: PatchSpec, wrappers: Mapping[str, Any]) -> str | None:
         planned.append((resolved, key, top, rebuilt))
     for resolved, key, top, rebuilt in planned:
         setattr(resolved.owner, resolved.name, top)
-        for other, (new, inner) in rebuilt.items():
-            state.replace_wrapper(other, key, new, inner)
-    if spec.on_revert is not None:
-        spec.on_revert()
-    state.forget(spec.name)
+        _record_rebuilt(key, rebuilt)
+    state.forget(spec.name)  # the caller runs on_revert, after this
     return None

@@ -22,7 +22,9 @@ WrapperFn = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]],
 WrapperFactory = Callable[[Mapping[str, Any]], WrapperFn]
 #: ``Calling.PLAIN``: given the callable a layer wraps (upstream's function, or the next
 #: layer down, always callable with the target's own arguments, ``self`` first for a
-#: method), returns the plain function to install, with the target's own signature.
+#: method), returns the plain function to install, with the target's own signature. The
+#: function must hold that callable in its own closure (call it as a free variable):
+#: the layer then can turn it into a pass-through in place if it must (see layer.py).
 PlainFactory = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 

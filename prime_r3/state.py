@@ -22,6 +22,12 @@ reads. One exception: a lock-free reader holding a plain layer that another thre
 is replacing or removing right then (its record already names the successor, or is
 gone) reads that old layer's ``__wrapped__``, which the layer set to the same inner
 object; a re-pointed one is seen only in that moment, for a layer that is leaving.
+
+A patch an import hook had to roll back while another layer sat on one of its layers
+keeps that layer as an *inert* pass-through (``make_inert``): still ours for walking a
+chain (it calls exactly what it wraps, so ``unwrap_ours`` sees through it), but no
+longer patched (``is_object_patched``, ``wrapped_by``, ``active_wrappers`` leave it
+out) and recorded with the reason, until the layer can remove it.
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ _functions: dict[str, dict[str, Any]] = {}
 _inners: dict[str, dict[str, tuple[Any, Any]]] = {}
 #: patch name -> (token, modules whose import will install the rest of the patch).
 _pending: dict[str, tuple[object, set[str]]] = {}
+#: patch name -> {"module:attr": its layer left there as a pass-through} (see make_inert).
+_inert: dict[str, dict[str, Any]] = {}
+#: patch name -> why it was rolled back and which of its layers stay as pass-throughs.
+_inert_reasons: dict[str, str] = {}
 
 #: A ``__wrapped__`` chain longer than this is a cycle, not a stack of patches.
 _MAX_LAYERS = 64
@@ -52,6 +62,11 @@ def lock() -> threading.RLock:
 def save_original(key: str, obj: Any) -> None:
     """Remember ``obj``, the verified upstream object, as the original of ``key``."""
     _originals[key] = obj
+
+
+def saved_original(key: str) -> Any | None:
+    """The upstream object saved for ``"module:attr"`` (None if never patched)."""
+    return _originals.get(key)
 
 
 def get_original(module: str, attr: str) -> Any:
@@ -120,7 +135,76 @@ def forget(name: str) -> None:
     _pending.pop(name, None)
 
 
-def _find(obj: Any) -> tuple[str, str] | None:
+def make_inert(name: str, reason: str) -> dict[str, Any]:
+    """``name`` was rolled back: its installed layers, already made pass-throughs by
+    the layer, are recorded as inert (nothing of ``name`` is active or pending any
+    more); returns them. The layer then removes those it can (``drop_inert``)."""
+    layers = dict(_active.get(name, {}))
+    if not layers:  # nothing installed yet: nothing left behind either
+        forget(name)
+        return layers
+    # Recorded inert before they stop being active: a lock-free reader finds them as
+    # ours (inert or not) at every moment.
+    _inert[name] = layers
+    _inert_reasons[name] = reason
+    _active.pop(name, None)
+    _functions.pop(name, None)
+    _pending.pop(name, None)
+    pairs = _inners.get(name, {})
+    for key in [k for k, (layer, _) in pairs.items() if layers.get(k) is not layer]:
+        del pairs[key]
+    return layers
+
+
+def set_inert_reason(name: str, reason: str) -> None:
+    """Say why ``name`` left pass-throughs (once it is known which ones stay)."""
+    if _inert.get(name):
+        _inert_reasons[name] = reason
+
+
+def inert_layers(name: str) -> dict[str, Any]:
+    """``name``'s layers left as pass-throughs ({} if none)."""
+    return dict(_inert.get(name, {}))
+
+
+def inert_reason(name: str) -> str | None:
+    """Why ``name`` was rolled back leaving pass-throughs (None if it left none)."""
+    return _inert_reasons.get(name) if _inert.get(name) else None
+
+
+def inert_entries() -> list[tuple[str, str, Any]]:
+    """Every pass-through layer recorded, as (patch, "module:attr", layer)."""
+    return [(n, k, layer) for n, layers in tuple(_inert.items()) for k, layer in layers.items()]
+
+
+def drop_inert(name: str, key: str) -> None:
+    """``name``'s pass-through at ``key`` was removed; the last one takes every record
+    of ``name`` with it."""
+    layers = _inert.get(name, {})
+    layers.pop(key, None)
+    _inners.get(name, {}).pop(key, None)
+    if not layers:
+        _inert.pop(name, None)
+        _inert_reasons.pop(name, None)
+        _inners.pop(name, None)
+
+
+def is_inert(obj: Any) -> bool:
+    """True if ``obj`` is (by identity) a layer of ours left as a pass-through."""
+    return _find(obj, _inert) is not None
+
+
+def is_ours(obj: Any) -> bool:
+    """True if ``obj`` is a layer of ours, in force or a pass-through."""
+    return _find_any(obj) is not None
+
+
+def _find_any(obj: Any) -> tuple[str, str] | None:
+    """(patch, "module:attr") of our layer ``obj``, in force or inert (None if not ours)."""
+    return _find(obj) or _find(obj, _inert)
+
+
+def _find(obj: Any, records: dict[str, dict[str, Any]] | None = None) -> tuple[str, str] | None:
     """(patch, "module:attr") of the installed wrapper ``obj`` is (None if not ours).
 
     Identity only (``is``): a wrapt proxy compares equal to what it wraps, so no
@@ -129,9 +213,9 @@ def _find(obj: Any) -> tuple[str, str] | None:
     it walks snapshots, each taken by one C-level ``tuple()`` that no other thread can
     interleave (the GIL is held and no Python code runs for str keys), so an apply,
     revert or import hook changing the records on another thread cannot make it raise
-    mid-iteration.
+    mid-iteration. ``records``: another table of the same shape (``_inert``).
     """
-    for name, wrappers in tuple(_active.items()):
+    for name, wrappers in tuple((_active if records is None else records).items()):
         for key, wrapper in tuple(wrappers.items()):
             if obj is wrapper:
                 return name, key
@@ -149,7 +233,7 @@ def _under(name: str, key: str, obj: Any) -> Any:
 def is_recorded(obj: Any) -> bool:
     """True if ``obj`` is (by identity) any object recorded here: an installed layer,
     what a plain layer calls, or a saved upstream original."""
-    if _find(obj) is not None or any(obj is o for o in tuple(_originals.values())):
+    if _find_any(obj) is not None or any(obj is o for o in tuple(_originals.values())):
         return True
     return any(
         obj is layer or obj is inner
@@ -159,34 +243,38 @@ def is_recorded(obj: Any) -> bool:
 
 
 def inner_of(obj: Any) -> Any:
-    """The object under our layer ``obj`` (what it calls); ``obj`` itself if not ours."""
-    found = _find(obj)
+    """The object under our layer ``obj`` (what it calls, also for a pass-through);
+    ``obj`` itself if not ours."""
+    found = _find_any(obj)
     return obj if found is None else _under(*found, obj)
 
 
 def is_object_patched(obj: Any) -> bool:
-    """True if ``obj`` is a wrapper prime_r3 currently has installed (any layer of a stack)."""
+    """True if ``obj`` is a wrapper prime_r3 currently has in force (any layer of a
+    stack); a pass-through left by a rolled-back patch is not (it patches nothing)."""
     return _find(obj) is not None
 
 
 def layers(obj: Any) -> tuple[list[tuple[str, Any]], Any]:
     """Our wrappers from ``obj`` inwards, outermost first, as (patch, wrapper), and the
-    object under the last of them (``obj`` itself if it is not ours).
+    object under the last of them (``obj`` itself if it is not ours). Pass-throughs
+    (``is_inert``) are among them: they are ours and call exactly what they wrap.
 
     The walk stops at the first object that is not one of our installed wrappers: what
     lies under a foreign layer is not ours to rebuild.
     """
     found: list[tuple[str, Any]] = []
-    while len(found) < _MAX_LAYERS and (where := _find(obj)) is not None:
+    while len(found) < _MAX_LAYERS and (where := _find_any(obj)) is not None:
         found.append((where[0], obj))
         obj = _under(*where, obj)
     return found, obj
 
 
 def wrapped_by(obj: Any) -> tuple[str, ...]:
-    """The patches whose wrappers ``obj`` is made of, outermost first, down to the first
-    object that is not ours (empty if ``obj`` is not ours)."""
-    return tuple(name for name, _ in layers(obj)[0])
+    """The patches whose wrappers ``obj`` is made of and in force, outermost first, down
+    to the first object that is not ours (empty if ``obj`` is not ours); pass-throughs
+    are left out (their patch does nothing there)."""
+    return tuple(name for name, layer in layers(obj)[0] if not is_inert(layer))
 
 
 def unwrap_ours(obj: Any) -> Any | None:

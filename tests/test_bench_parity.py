@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from prime_r3.bench import arms, command, parity
+from prime_r3.bench.loop import RowPrinter
 from prime_r3.bench.workload import BenchConfig
 from prime_r3.guards import installed_vllm_version
 from prime_r3.patches import REGISTRY
@@ -77,3 +78,16 @@ def test_parity_names_request_and_first_differing_row(results: dict) -> None:
     tampered["digests"][request_id] = ("0" * 64, prints, rows)
     with pytest.raises(parity.ParityError, match=rf"request {request_id}: .* row 3 "):
         parity.compare(base, tampered, ("a", "b"))
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+def test_row_printer_gives_an_empty_chunk_no_prints(dtype: type) -> None:
+    """``routed_experts_prompt_start`` beyond the prompt hands a request zero rows."""
+    printer = RowPrinter(3 * 5 * np.dtype(dtype).itemsize)
+    rows = np.random.default_rng(0).integers(0, 100, (4, 3, 5)).astype(dtype)
+    empty = printer(rows[:0])
+    assert empty.dtype == np.uint64 and empty.shape == (0,)
+    whole = printer(rows)
+    assert len(whole) == 4 and len(set(whole.tolist())) == 4
+    chunks = [printer(rows[:2]), empty, printer(rows[2:])]
+    assert np.array_equal(np.concatenate(chunks), whole)

@@ -72,6 +72,10 @@ class RowPrinter:
         self._mult = rng.integers(1, 1 << 63, self._words, dtype=np.uint64) | np.uint64(1)
 
     def __call__(self, rows: np.ndarray) -> np.ndarray:
+        """One print per row; an empty chunk (e.g. ``routed_experts_prompt_start`` beyond
+        the prompt hands a request zero rows) has none, where ``reshape(0, -1)`` fails."""
+        if len(rows) == 0:
+            return np.zeros(0, np.uint64)
         flat = np.ascontiguousarray(rows).reshape(len(rows), -1).view(np.uint8)
         pad = self._words * 8 - flat.shape[1]
         if pad:

@@ -121,14 +121,20 @@ def parse_int_tuple(
     return parse
 
 
-def parse_float_at_least(minimum: float) -> Callable[[str], float]:
+def parse_float_in_range(minimum: float, maximum: float) -> Callable[[str], float]:
+    """A number in ``minimum..maximum`` (so never nan or infinite).
+
+    Checked here, when the environment is parsed, so a value the consumer would only
+    fail on later (a store arena too large to map) stops vLLM before it starts.
+    """
+
     def parse(text: str) -> float:
         try:
             value = float(text.strip())
         except ValueError:
             raise ValueError(f"{text!r} is not a number") from None
-        if not value >= minimum or value == float("inf"):
-            raise ValueError(f"{value} is not a finite number >= {minimum}")
+        if not minimum <= value <= maximum:
+            raise ValueError(f"{value} is outside the valid range {minimum:g}..{maximum:g}")
         return value
 
     return parse

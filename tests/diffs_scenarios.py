@@ -194,7 +194,7 @@ def scenario_headroom(ctx: Context) -> dict[str, Any]:
         "PRIME_R3_STORE_HEADROOM_FACTOR" if ctx.overlay else "VLLM_AUX_OUTPUT_STORE_HEADROOM"
     )
     sizes = {}
-    for factor in (None, "1.5", "1", "3.7"):
+    for factor in (None, "1.5", "1", "3.7", "8"):
         ctx.reconfigure("store_headroom", {factor_var: factor})
         for max_bytes, num_blocks in ((None, 10), (None, 7), (1000, 10), (None, 1)):
             background = _build_store(max_bytes, num_blocks)
@@ -206,7 +206,7 @@ def scenario_headroom(ctx: Context) -> dict[str, Any]:
             )
             background.close()
     rejected = {}
-    for value in ("0.5", "inf", "two", "nan", "0.999"):
+    for value in ("0.5", "inf", "two", "nan", "0.999", "8.001", "1e9"):
         try:
             ctx.reconfigure("store_headroom", {factor_var: value})
             _build_store(None, 10).close()

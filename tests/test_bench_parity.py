@@ -3,15 +3,19 @@
 The workload is sized so the KV cache overflows: requests are preempted and resumed,
 the routed-experts store is full and evicting, and RL-style repeated prompts hit the
 prefix cache. The test asserts those paths were taken, so parity is checked where it
-can actually break.
+can actually break. A shorter run ends with every preempted request still in flight, as
+the default bench does: parity must compare their partial row streams.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 
 from prime_r3.bench import arms, command, parity
+from prime_r3.bench.loop import RowPrinter
 from prime_r3.bench.workload import BenchConfig
 from prime_r3.guards import installed_vllm_version
 from prime_r3.patches import REGISTRY
@@ -28,6 +32,8 @@ SMALL = BenchConfig(
     kv_blocks=60,
     max_num_batched_tokens=256,
 )
+#: Half as long: no preempted request finishes (they recompute late), some are in flight.
+SHORT = dataclasses.replace(SMALL, steps=60)
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +42,19 @@ def applicable() -> tuple[str, ...]:
     return tuple(command.applicable_patches()[1])
 
 
+def _run(cfg: BenchConfig, applicable: tuple[str, ...]) -> dict:
+    run = [arms.Arm("r3_upstream", r3=True), arms.Arm("r3_prime", r3=True, patches=applicable)]
+    return arms.run_arms(run, cfg, timeout=600)
+
+
 @pytest.fixture(scope="module")
 def results(applicable: tuple[str, ...]) -> dict:
-    run = [arms.Arm("r3_upstream", r3=True), arms.Arm("r3_prime", r3=True, patches=applicable)]
-    return arms.run_arms(run, SMALL, timeout=600)
+    return _run(SMALL, applicable)
+
+
+@pytest.fixture(scope="module")
+def short_results(applicable: tuple[str, ...]) -> dict:
+    return _run(SHORT, applicable)
 
 
 def test_arms_ran_clean(results: dict, applicable: tuple[str, ...]) -> None:
@@ -77,3 +92,66 @@ def test_parity_names_request_and_first_differing_row(results: dict) -> None:
     tampered["digests"][request_id] = ("0" * 64, prints, rows)
     with pytest.raises(parity.ParityError, match=rf"request {request_id}: .* row 3 "):
         parity.compare(base, tampered, ("a", "b"))
+
+
+def test_parity_compares_preempted_requests_in_flight_at_the_end(short_results: dict) -> None:
+    for name, result in short_results.items():
+        assert result.get("error") is None, f"{name}: {result.get('error')}"
+    base = short_results["r3_upstream"]
+    flags = base["flags"]
+    # The shape of the default bench: the preempted requests are all still running.
+    assert not any(flags[r][0] for r in base["digests"])
+    assert any(flags[r][0] for r in base["in_flight"])
+    checked = command.check_parity(short_results)["r3_prime"]
+    assert checked["preempted_requests"] > 0
+    assert checked["in_flight_requests"] == len(base["in_flight"]) > 0
+    assert checked["finished_requests"] == len(base["digests"]) > 0
+    assert checked["requests"] == checked["finished_requests"] + checked["in_flight_requests"]
+    rows = [d[2] for d in (*base["digests"].values(), *base["in_flight"].values())]
+    assert checked["rows"] == sum(rows)
+    line = command._parity_line({"ok": True, "checked": {"r3_prime": checked}})
+    assert (
+        f"r3_prime: {checked['finished_requests']} finished + "
+        f"{checked['in_flight_requests']} in flight / {checked['rows']} rows identical "
+        f"({checked['preempted_requests']} preempted, " in line
+    )
+
+
+def test_parity_names_an_in_flight_preempted_request_whose_rows_differ(
+    short_results: dict,
+) -> None:
+    base, other = short_results["r3_upstream"], short_results["r3_prime"]
+    request_id = next(r for r in sorted(other["in_flight"]) if base["flags"][r][0])
+    sha, prints, rows = other["in_flight"][request_id]
+    prints = np.array(prints, copy=True)
+    prints[-1] ^= np.uint64(1)
+    tampered = {**other, "in_flight": {**other["in_flight"], request_id: ("0" * 64, prints, rows)}}
+    match = rf"request {request_id} \(in flight\): .* first differing row {rows - 1} "
+    with pytest.raises(parity.ParityError, match=match):
+        parity.compare(base, tampered, ("a", "b"))
+    # A stream cut short (same rows so far, fewer of them) is a mismatch too.
+    cut = {**other, "in_flight": {**other["in_flight"], request_id: (sha, prints[:-1], rows - 1)}}
+    with pytest.raises(parity.ParityError, match=rf"first differing row {rows - 1} "):
+        parity.compare(base, cut, ("a", "b"))
+
+
+def test_parity_requires_the_same_requests_in_flight(short_results: dict) -> None:
+    base, other = short_results["r3_upstream"], short_results["r3_prime"]
+    request_id = sorted(other["in_flight"])[0]
+    dropped = {**other, "in_flight": dict(other["in_flight"])}
+    del dropped["in_flight"][request_id]
+    with pytest.raises(parity.ParityError, match=rf"1 request\(s\) in flight .* {request_id} "):
+        parity.compare(base, dropped, ("a", "b"))
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+def test_row_printer_gives_an_empty_chunk_no_prints(dtype: type) -> None:
+    """``routed_experts_prompt_start`` beyond the prompt hands a request zero rows."""
+    printer = RowPrinter(3 * 5 * np.dtype(dtype).itemsize)
+    rows = np.random.default_rng(0).integers(0, 100, (4, 3, 5)).astype(dtype)
+    empty = printer(rows[:0])
+    assert empty.dtype == np.uint64 and empty.shape == (0,)
+    whole = printer(rows)
+    assert len(whole) == 4 and len(set(whole.tolist())) == 4
+    chunks = [printer(rows[:2]), empty, printer(rows[2:])]
+    assert np.array_equal(np.concatenate(chunks), whole)

@@ -148,9 +148,10 @@ def test_unknown_prime_r3_variable_is_an_error() -> None:
 
 
 def test_parsers() -> None:
-    parse = config.parse_float_at_least(1.0)
+    parse = config.parse_float_in_range(1.0, 8.0)
     assert parse(" 2.5 ") == 2.5
-    for bad in ("0.5", "nan", "inf", "x"):
+    assert parse("1") == 1.0 and parse("8") == 8.0
+    for bad in ("0.5", "nan", "inf", "-inf", "8.001", "1e9", "x"):
         with pytest.raises(ValueError):
             parse(bad)
 

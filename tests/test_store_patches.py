@@ -332,6 +332,12 @@ SCENARIOS = [
         env=(("PRIME_R3_STORE_HEADROOM_FACTOR", "1.5"),),
         num_blocks=7,
     ),
+    Scenario(
+        "headroom_factor_8",
+        HEADROOM,
+        env=(("PRIME_R3_STORE_HEADROOM_FACTOR", "8"),),
+        num_blocks=7,
+    ),
     Scenario("all_overflow", tuple(STORE_PATCHES), overflow=True),
 ]
 OUTPUT_RANK, OTHER_RANK = 0, 1
@@ -409,11 +415,14 @@ def test_headroom_doubles_the_kv_derived_store(tp_ranks: dict[tuple[str, int], B
     assert f"{patched.num_slots} objects" in logs[0] and f"{patched.arena_bytes} bytes" in logs[0]
 
 
-def test_headroom_factor_from_the_environment(tp_ranks: dict[tuple[str, int], Built]) -> None:
+@pytest.mark.parametrize("value", ["1.5", "8"])  # 8: the upper bound is accepted
+def test_headroom_factor_from_the_environment(
+    tp_ranks: dict[tuple[str, int], Built], value: str
+) -> None:
     upstream = tp_ranks["upstream_7_blocks", OUTPUT_RANK]
-    patched = tp_ranks["headroom_factor_1.5", OUTPUT_RANK]
-    assert upstream.num_slots is not None
-    factor = 1.5 if _expect_patches(patched, HEADROOM) else 1
+    patched = tp_ranks[f"headroom_factor_{value}", OUTPUT_RANK]
+    assert upstream.num_slots is not None and patched.error is None
+    factor = float(value) if _expect_patches(patched, HEADROOM) else 1
     assert patched.num_slots == int(upstream.num_slots * factor)
 
 
@@ -454,11 +463,32 @@ def test_stores_built_outside_the_connector_keep_upstream_size(
     assert store_mod.BlockObjectStore(max_bytes=64, object_nbytes=8).num_slots == 8
 
 
-@pytest.mark.parametrize("value", ["0.5", "inf", "two", "nan"])
+@pytest.mark.parametrize(
+    "value", ["0.5", "0.999", "8.001", "9", "1e9", "inf", "-inf", "two", "nan"]
+)
 def test_headroom_factor_rejects_bad_values(value: str, reverted: pytest.MonkeyPatch) -> None:
+    """At parse time, on every release (0.33 skips the patch but still parses its setting):
+    the variable, the value and the valid range, instead of an mmap error much later."""
     reverted.setenv("PRIME_R3_STORE_HEADROOM_FACTOR", value)
-    with pytest.raises(config.ConfigError, match="PRIME_R3_STORE_HEADROOM_FACTOR"):
+    with pytest.raises(config.ConfigError) as info:
         prime_r3.apply(names=["store_headroom"], log=False)
+    message = str(info.value)
+    assert message.startswith(f"PRIME_R3_STORE_HEADROOM_FACTOR={value!r} is not valid: ")
+    assert message.endswith("expected a number in 1..8, e.g. 2 or 1.5")
+    assert (
+        "is not a number" in message
+        if value == "two"
+        else "outside the valid range 1..8" in message
+    )
+
+
+@pytest.mark.parametrize("value", ["1", "1.0", " 8 ", "8.0", "7.99"])
+def test_headroom_factor_accepts_the_range_boundaries(
+    value: str, reverted: pytest.MonkeyPatch
+) -> None:
+    reverted.setenv("PRIME_R3_STORE_HEADROOM_FACTOR", value)
+    assert config.from_env(REGISTRY).params["store_headroom"]["factor"] == float(value)
+    apply_or_expect_fixed_upstream(["store_headroom"])  # 0.33: skipped, fixed upstream
 
 
 def test_headroom_store_wrapper_passes_unknown_keywords_to_upstream(

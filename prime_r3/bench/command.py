@@ -275,7 +275,8 @@ def _parity_line(note: dict[str, Any]) -> str:
     if not note["checked"]:
         return "parity: not checked"
     parts = [
-        f"{name}: {c['requests']} requests / {c['rows']} rows identical "
+        f"{name}: {c['finished_requests']} finished + {c['in_flight_requests']} in flight / "
+        f"{c['rows']} rows identical "
         f"({c['preempted_requests']} preempted, {c['prefix_hit_requests']} prefix-hit)"
         for name, c in note["checked"].items()
     ]

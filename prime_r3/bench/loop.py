@@ -62,6 +62,11 @@ class RequestRecord:
     preempted: bool = False
     cached_tokens: int = 0
 
+    def digest(self) -> tuple[str, np.ndarray, int]:
+        """SHA-256 hex of the rows so far, their row fingerprints, and the row count."""
+        prints = np.concatenate(self.row_prints) if self.row_prints else np.zeros(0, np.uint64)
+        return self.sha.hexdigest(), prints, self.rows
+
 
 class RowPrinter:
     """64-bit fingerprint per routing row, so a mismatch can name its first differing row."""
@@ -72,6 +77,10 @@ class RowPrinter:
         self._mult = rng.integers(1, 1 << 63, self._words, dtype=np.uint64) | np.uint64(1)
 
     def __call__(self, rows: np.ndarray) -> np.ndarray:
+        """One print per row; an empty chunk (e.g. ``routed_experts_prompt_start`` beyond
+        the prompt hands a request zero rows) has none, where ``reshape(0, -1)`` fails."""
+        if len(rows) == 0:
+            return np.zeros(0, np.uint64)
         flat = np.ascontiguousarray(rows).reshape(len(rows), -1).view(np.uint8)
         pad = self._words * 8 - flat.shape[1]
         if pad:
@@ -152,9 +161,24 @@ class Simulator:
 
     def _finish(self, request_id: str) -> None:
         record = self.records.pop(request_id)
-        prints = np.concatenate(record.row_prints) if record.row_prints else np.zeros(0, np.uint64)
-        self.finished[request_id] = (record.sha.hexdigest(), prints, record.rows)
+        self.finished[request_id] = record.digest()
         self.finished_flags[request_id] = (record.preempted, record.cached_tokens)
+
+    def in_flight(
+        self,
+    ) -> tuple[dict[str, tuple[str, np.ndarray, int]], dict[str, tuple[bool, int]]]:
+        """Digests and flags of the requests still running that have received rows.
+
+        Rows reach the output processor step by step, so a request in flight at the end
+        has a well-defined stream so far. A preempted request goes back to the waiting
+        queue and recomputes once blocks free up, so in a bench-length run it is usually
+        still running at the end (at the defaults none finishes): parity has to compare
+        these streams or it never sees the preemption path. Called after the measured
+        loop, so it adds no work to any step.
+        """
+        live = {r: rec for r, rec in self.records.items() if rec.rows > 0}
+        digests = {r: rec.digest() for r, rec in live.items()}
+        return digests, {r: (rec.preempted, rec.cached_tokens) for r, rec in live.items()}
 
     def _note_schedule(self, so: Any) -> None:
         for req_id in so.preempted_req_ids or ():
@@ -300,6 +324,7 @@ def run(
             gc_counts = gc_counts[:step]
     try:
         end = _snapshot(sim)
+        in_flight, in_flight_flags = sim.in_flight()
         result = {
             "error": error,
             "per_step": {k: v.tolist() for k, v in per_step.items()},
@@ -311,7 +336,8 @@ def run(
             "store_peak_referenced": sim.store.peak_referenced,
             "max_concurrent_batches": sim.queue_size,
             "digests": {r: (sha, prints, rows) for r, (sha, prints, rows) in sim.finished.items()},
-            "flags": dict(sim.finished_flags),
+            "in_flight": in_flight,
+            "flags": sim.finished_flags | in_flight_flags,
             "fast_path": _fast_path_counters(),
         }
     finally:

@@ -5,8 +5,9 @@ vLLM 0.31-0.32 size the routed-experts ``BlockObjectStore`` to exactly the KV ca
 by running requests plus the batch being published can exceed that, and ``put``
 raises on the writer thread (the engine dies); below that, a store with no slack is
 always full, so every put evicts. We multiply the derived size by a factor
-(``PRIME_R3_STORE_HEADROOM_FACTOR``, default 2). The arena is an anonymous mmap, so
-only slots that are written cost RSS: the headroom is address space until used.
+(``PRIME_R3_STORE_HEADROOM_FACTOR``, default 2, at most 8: see ``MAX_FACTOR``). The
+arena is an anonymous mmap, so only slots that are written cost RSS: the headroom is
+address space until used.
 
 If the user set ``aux_output_config.max_bytes`` we keep their value unchanged (an
 explicit size is a decision, often a memory budget) and log that no headroom was
@@ -40,13 +41,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prime_r3.config import parse_float_at_least
+from prime_r3.config import parse_float_in_range
 from prime_r3.fixes.aux_output import STORE_MODULE, WORKER_MODULE
 from prime_r3.spec import Param, PatchSpec, Process, Target, WrapperFn
 
 logger = logging.getLogger("vllm.prime_r3")
 
 DEFAULT_FACTOR = 2.0
+#: Upper bound of the factor. The store only ever needs the rows of blocks the KV cache
+#: holds plus those of the batches being published (a bit over 1x; 2x covers it, and
+#: ``store_growth`` handles the rest): slots beyond that are never read, because a row
+#: is only wanted again on a KV prefix-cache hit. 8 leaves 4x the default for anyone
+#: experimenting. Above it the factor only buys address space: the arena is one
+#: anonymous mmap of ``max_bytes * factor`` (a production-sized KV store of ~450k slots
+#: of 16 x 46 x 8 bytes is ~2.6 GB at 1x, ~21 GB at 8x), and Linux's default overcommit
+#: heuristic refuses a single mapping larger than RAM + swap, so a large factor would
+#: surface as an mmap error in the output worker after the model loaded (1e9 asks for
+#: exabytes), instead of a clear error when the environment is parsed.
+MAX_FACTOR = 8.0
 
 # Verified source fingerprints (scripts/fingerprint.py); store.py and worker.py are
 # byte-identical in vLLM 0.31.0 and 0.32.0.
@@ -151,10 +163,10 @@ SPEC = PatchSpec(
         Param(
             "factor",
             DEFAULT_FACTOR,
-            parse_float_at_least(1.0),
+            parse_float_in_range(1.0, MAX_FACTOR),
             "multiplier on the store size vLLM derives from the KV cache "
             "(ignored when aux_output_config.max_bytes is set)",
-            "a finite number >= 1.0, e.g. 2 or 1.5",
+            f"a number in 1..{MAX_FACTOR:g}, e.g. 2 or 1.5",
         ),
     ),
     notes=(

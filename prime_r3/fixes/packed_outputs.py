@@ -16,11 +16,23 @@ possibly on another node with another prime_r3 (or none). EngineCore's
 (sent to workers inside ``SchedulerOutput``) with ``READS_MARK = FORMAT_VERSION``, a
 plain int attribute, and only while the live scheduler connector's ``take_output`` is
 upstream's plain function or ``batched_take``'s wrapper of exactly that function (not a
-subclass's or an instance's override, nor another layer's wrapper). The worker
+subclass's or an instance's override, nor another layer's wrapper), **and** the
+scheduler building the step consumes its output with vLLM's own
+``Scheduler.update_from_output`` (inherited through its class's MRO, as
+``AsyncScheduler`` does; not a ``scheduler_cls`` subclass's override, an instance
+attribute or another layer's wrapper). Why the scheduler too: the packed form, and the
+unfilled one ``batched_take`` reads, were verified against upstream's consumer, which
+hands the step to ``take_output`` only. An overriding ``update_from_output`` may read
+the step itself (msgspec, for one, reads a dict's storage directly and sees an unfilled
+step as ``{}``), so its workers send upstream's dict: what it gets with the overlay
+off. Withheld steps are counted (``COUNTERS``) and logged once per class. The scheduler
+is found once per connector on the caller stack (vLLM gives the connector no reference
+to it) and kept weakly; each step then costs one identity check (~0.15 us). The worker
 packs only when the metadata of its current step (what ``begin_step`` stored) carries
 the version it writes; otherwise the step goes as upstream's dict. So an EngineCore
 where this patch did not apply (changed anchor, ``PRIME_R3=0``, other
-``PRIME_R3_PATCHES``, another format, prime_r3 absent) never receives a packed step.
+``PRIME_R3_PATCHES``, another format, prime_r3 absent), or whose consumer is not
+upstream's, never receives a packed step.
 The declaration is per process and stable, so reading the current step's metadata
 from ``process_output`` (which may run a step behind under async scheduling) is safe.
 
@@ -34,7 +46,9 @@ Consumers keep working unchanged:
   ``values()`` and reassigns ``rows``: received rows are private and writable, so it
   copies nothing.
 * Uniproc executor: nothing is pickled; the scheduler reads upstream's own values.
-* Generic code (msgspec, ``asdict``, ``copy``, ``==``, mutation) sees a dict.
+* Generic code (msgspec, ``asdict``, ``copy``, ``==``, mutation) sees a dict; a
+  received step left unfilled for ``batched_take`` reaches only upstream's
+  ``update_from_output`` (the handshake above), which reads it through ``take_output``.
 
 A step whose outputs cannot share one array (never seen: all rows of a step share the
 capturer's dtype and per-token shape, whether they are views of the step snapshot,

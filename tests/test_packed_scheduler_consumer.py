@@ -221,6 +221,10 @@ def test_an_instance_or_foreign_layer_on_update_from_output_withholds(
     assert counts["handshake"]["declared_steps"] == 0, counts
     assert counts["handshake"]["withheld_reasons"].keys() == {"update_from_output"}
     reverted.setattr(Scheduler, "update_from_output", original)
+    _reset_counters()  # the layer gone, upstream's function is found and verified again
+    _run(False, None, reverted)
+    counts = _counters()
+    assert counts["handshake"]["withheld_steps"] == 0 and counts["handshake"]["declared_steps"]
 
     def instance_level(base: type, seen: list[Any]) -> type:
         class Patched(base):  # type: ignore[misc, valid-type]

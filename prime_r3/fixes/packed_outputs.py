@@ -186,23 +186,32 @@ def _scheduler_of(connector: Any, frame: Any) -> Any:
     return None
 
 
-def _upstream_update_from_output() -> Any:
-    """vLLM's own ``Scheduler.update_from_output``, verified as upstream's plain
-    function (compiled from its ``def`` in the installed scheduler.py, as the guards
-    check targets), or None: the module is not loaded, or another layer replaced it.
+def _live_update_from_output() -> tuple[type | None, Any]:
+    """vLLM's ``Scheduler`` class (None if its module is not loaded) and the object its
+    class dict holds as ``update_from_output`` now."""
+    scheduler = getattr(sys.modules.get(_SCHEDULER), "Scheduler", None)
+    if not isinstance(scheduler, type):
+        return None, None
+    return scheduler, scheduler.__dict__.get("update_from_output")
 
-    Not an anchor of the patch: it is checked only in EngineCore, at the first step,
-    and any change to it would skip the whole patch on every release that touches the
-    scheduler, though it only passes the step to ``take_output`` (the anchor). Another
+
+def _upstream_update_from_output(scheduler: type | None, live: Any) -> Any:
+    """Upstream's function under ``live`` (``Scheduler.update_from_output``, perhaps
+    under prime_r3's wrappers), verified as upstream's plain function (compiled from
+    its ``def`` in the installed scheduler.py, as the guards check targets), or None:
+    the module is not loaded, or another layer replaced or wrapped it.
+
+    Not an anchor of the patch: it is checked only in EngineCore, at the first step
+    (again only if the class attribute is replaced), and an anchor's fingerprint would
+    skip the whole patch whenever a release touches that long method, though the packed
+    step relies only on its handing the step to ``take_output`` (the anchor). Another
     layer on it is another consumer, so then no scheduler gets the declaration.
     """
     from prime_r3 import fingerprint, guards
 
-    module = sys.modules.get(_SCHEDULER)
-    scheduler = getattr(module, "Scheduler", None)
-    if not isinstance(scheduler, type):
+    if scheduler is None:
         return None
-    found = prime_state.unwrap_ours(scheduler.__dict__.get("update_from_output"))
+    found = prime_state.unwrap_ours(live)
     try:
         why = guards.not_plain(
             found, fingerprint.locate(_SCHEDULER, "Scheduler.update_from_output")
@@ -231,10 +240,19 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
         AuxOutputSchedulerConnector.__dict__["take_output"]
     )
     counters = COUNTERS
-    # Resolved at the first step (vLLM's scheduler module is EngineCore's, not the
-    # workers'); then (connector, scheduler) weakly, so a step checks by identity only.
-    upstream_update: list[Any] = []
+    # Upstream's update_from_output, verified at the first step (vLLM's scheduler
+    # module is EngineCore's, not the workers') as (the class attribute verified, the
+    # result), again only when the class attribute is another object; and (connector,
+    # scheduler) weakly: a step then checks by identity only.
+    verified: tuple[Any, Any] | None = None
     owner_of: tuple[Any, Any] | None = None
+
+    def upstream_update() -> Any:
+        nonlocal verified
+        scheduler, live = _live_update_from_output()
+        if verified is None or verified[0] is not live:
+            verified = (live, _upstream_update_from_output(scheduler, live))
+        return verified[1]
 
     def reads_like_upstream(instance: Any) -> bool:
         """Whether the live connector's consumer is upstream's take_output, bare or
@@ -273,9 +291,7 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
                 owner_of = (weakref.ref(instance), weakref.ref(owner))
             except TypeError:  # not weakly referable: searched again next step
                 owner_of = None
-        if not upstream_update:
-            upstream_update.append(_upstream_update_from_output())
-        upstream = upstream_update[0]
+        upstream = verified[1] if verified is not None else upstream_update()
         cls = type(owner)
         if (
             upstream is not None
@@ -283,6 +299,7 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
             and "update_from_output" not in getattr(owner, "__dict__", ())
         ):
             return True
+        upstream = upstream_update()  # Scheduler's own attribute may have been replaced
         found = prime_state.unwrap_ours(inspect.getattr_static(cls, "update_from_output", None))
         if (
             upstream is not None

@@ -239,3 +239,45 @@ def test_an_instance_or_foreign_layer_on_update_from_output_withholds(
     counts = _counters()
     assert counts["handshake"]["declared_steps"] == 0, counts
     assert counts["handshake"]["withheld_reasons"].keys() == {"update_from_output"}
+
+
+def test_a_consumer_changed_between_steps_is_seen_at_the_next_step(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """The scheduler is found once, then each step checks its consumer by identity: a
+    layer put on ``Scheduler.update_from_output``, or an instance attribute, after steps
+    were declared withholds from the next step on; removed, the next step is declared."""
+    import types
+
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from prime_r3.packed import FORMAT_VERSION, READS_MARK
+    from tests.test_packed_outputs import real_vllm
+
+    if not hasattr(SchedulerOutput, "make_empty"):
+        pytest.skip("no SchedulerOutput.make_empty on this release")
+    scheduler = real_vllm().scheduler
+    empty = SchedulerOutput.make_empty()
+
+    def build(self: Any) -> Any:  # as Scheduler.schedule calls it, from its own method
+        return self.aux_output_connector.build_connector_meta(empty, {})
+
+    step = types.MethodType(build, scheduler)
+    prime_r3.apply(["packed_outputs"], log=False)
+    assert getattr(step(), READS_MARK) == FORMAT_VERSION
+    original = Scheduler.__dict__["update_from_output"]
+
+    @functools.wraps(original)
+    def layered(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return original(self, *args, **kwargs)
+
+    reverted.setattr(Scheduler, "update_from_output", layered)
+    assert not hasattr(step(), READS_MARK)
+    reverted.setattr(Scheduler, "update_from_output", original)
+    assert getattr(step(), READS_MARK) == FORMAT_VERSION
+    bound = functools.partial(original, scheduler)
+    reverted.setattr(scheduler, "update_from_output", bound, raising=False)
+    assert not hasattr(step(), READS_MARK)
+    reverted.delattr(scheduler, "update_from_output")
+    assert getattr(step(), READS_MARK) == FORMAT_VERSION

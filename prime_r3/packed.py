@@ -31,7 +31,9 @@ What every consumer sees is upstream's dict (see ``README.md``, ``packed_outputs
 * ``_trusted`` (arrays straight from a writer that never had a dict, or a received
   step read by ``batched_take``) makes an *unfilled* instance: its Python-level
   accessors fill it on first use; C-level readers that bypass them (msgspec) see an
-  empty dict until then, so such an object is for pickling or the scheduler only.
+  empty dict until then, so such an object is for pickling or the scheduler only
+  (EngineCore declares the packed format only to vLLM's own
+  ``Scheduler.update_from_output``: see ``prime_r3.fixes.packed_outputs``).
 
 Versioning: the pickled form starts with ``FORMAT_VERSION``; a reader with another
 version raises ``PackedFormatError`` naming both. The handshake (see

@@ -2,7 +2,8 @@
 
 Packing is decided in the worker; reading happens in EngineCore. EngineCore's
 ``build_connector_meta`` wrapper (applied only where ``packed_outputs`` applied, and
-only while the live scheduler connector's ``take_output`` is upstream's) sets
+only while the live scheduler connector's ``take_output`` and the scheduler's
+``update_from_output`` are upstream's) sets
 ``READS_MARK = FORMAT_VERSION`` (a plain int) on the step's connector metadata; the
 worker's ``process_output`` wrapper packs only when the step's metadata carries the
 version it writes. Everything else (no declaration, another version, a metadata
@@ -48,6 +49,17 @@ class CustomConnector(AuxOutputSchedulerConnector):
         return super().take_output(request, output)
 
 
+def _overriding_scheduler(base: type) -> type:
+    """A scheduler class a plugin may configure (``scheduler_cls``): it consumes step
+    outputs with its own ``update_from_output``, so it must get upstream's dicts."""
+
+    class OverridingScheduler(base):  # type: ignore[misc, valid-type]
+        def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+            return super().update_from_output(scheduler_output, model_runner_output)
+
+    return OverridingScheduler
+
+
 def _configure_engine_core(mode: str) -> None:
     """Make this (forked) process an EngineCore as the plugin would under ``mode``."""
     prime_r3.revert()
@@ -85,6 +97,8 @@ def _engine_core(mode: str, conn: Any) -> None:
     _configure_engine_core(mode)
     if mode == "custom take_output":
         scheduler.aux_output_connector.__class__ = CustomConnector
+    if mode == "custom update_from_output":  # the real scheduler, as that subclass
+        scheduler.__class__ = _overriding_scheduler(type(scheduler))
     to_worker = MessageQueue(1, 1)
     conn.send(to_worker.export_handle())
     from_worker = MessageQueue.create_from_handle(conn.recv(), 0)
@@ -163,6 +177,7 @@ MODES = {  # EngineCore configuration -> what the worker must send
     "without packed_outputs": dict,
     "no prime_r3": dict,
     "custom take_output": dict,
+    "custom update_from_output": dict,
     "reads format 2": dict,
 }
 

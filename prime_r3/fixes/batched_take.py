@@ -38,7 +38,9 @@ content: every Python-level dict read of an unfilled step fills it first (``in``
 detach iterating ``values()``), and ``dict(step)`` / ``{**step}`` go through those
 reads. Only C extensions that read the dict's storage directly (msgspec) would see it
 empty; nothing in vLLM 0.31-0.33 encodes ``ModelRunnerOutput`` that way in EngineCore
-(the scheduler is the only consumer), and without this patch a received step is
+(upstream's ``Scheduler.update_from_output`` is the only consumer), a scheduler class
+that overrides ``update_from_output`` (where such a reader could be) is never sent a
+packed step (``packed_outputs``' handshake), and without this patch a received step is
 filled at once as before.
 
 ``COUNTERS``: requests taken by the slice vs by upstream, by reason (``not_packed``: output

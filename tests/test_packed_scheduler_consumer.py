@@ -1,0 +1,283 @@
+"""A scheduler that overrides ``update_from_output`` never receives a packed step.
+
+The packed step (``packed_outputs``) and its unfilled form (``batched_take``) were
+verified against one consumer: vLLM's own ``Scheduler.update_from_output``, which hands
+``model_runner_output.aux_output_connector_output`` to ``take_output`` and reads it no
+other way. A scheduler class configured through vLLM's ``scheduler_cls`` (a plugin, a
+custom scheduler) that overrides ``update_from_output`` may read the step itself: with
+msgspec, for one, which reads a dict's storage directly and sees an unfilled step as
+``{}``. EngineCore therefore declares the packed format only for a scheduler whose
+``update_from_output`` is upstream's (``prime_r3.fixes.packed_outputs``), so such a
+subclass gets upstream's plain dict, as with the overlay off.
+
+On the installed release's real code: the bench's simulator (vLLM's real ``Scheduler``
+built by ``SchedulerConfig.get_scheduler_cls()`` as EngineCore builds it, the real
+scheduler and worker connectors, vLLM's ``MessageQueue`` between them; only the model is
+simulated), with every patch applied vs the overlay off.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import functools  # noqa: E402
+import logging  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import msgspec  # noqa: E402
+import pytest  # noqa: E402
+
+import prime_r3  # noqa: E402
+from prime_r3.bench import vllm_setup  # noqa: E402
+from prime_r3.bench.loop import Simulator  # noqa: E402
+from prime_r3.bench.workload import BenchConfig  # noqa: E402
+from tests.test_packed_consumers import _numpy_hook  # noqa: E402
+
+STEPS = 40
+
+
+def _config(async_scheduling: bool) -> BenchConfig:
+    return BenchConfig(
+        concurrency=24, steps=STEPS, warmup=0, layers=2, topk=2, experts=8,
+        prefix_len=16, problem_len=12, samples_per_prompt=2, max_tokens=24, min_tokens=2,
+        max_num_batched_tokens=128, kv_fraction=1.0, async_scheduling=async_scheduling,
+        seed=3,
+    )  # fmt: skip
+
+
+def _overriding(base: type, seen: list[Any]) -> type:
+    """A scheduler class of the kind a plugin configures: ``update_from_output``
+    overridden, reading the step output itself (here: msgspec, as a custom consumer
+    might ship it elsewhere) before upstream's code runs."""
+
+    class Overriding(base):  # type: ignore[misc, valid-type]
+        def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+            aux = model_runner_output.aux_output_connector_output
+            if aux is not None:
+                seen.append(
+                    (type(aux), len(aux), msgspec.msgpack.encode(aux, enc_hook=_numpy_hook))
+                )
+            return super().update_from_output(scheduler_output, model_runner_output)
+
+    return Overriding
+
+
+def _not_overriding(base: type, seen: list[Any]) -> type:
+    """A subclass that keeps upstream's ``update_from_output`` (it changes scheduling
+    only): the consumer is upstream's, so steps still go packed."""
+
+    class Scheduling(base):  # type: ignore[misc, valid-type]
+        def schedule(self, *args: Any, **kwargs: Any) -> Any:
+            seen.append("schedule")
+            return super().schedule(*args, **kwargs)
+
+    return Scheduling
+
+
+def _run(
+    async_scheduling: bool,
+    make_cls: Callable[[type, list[Any]], type] | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[list[Any], dict[str, Any], type]:
+    """STEPS engine steps; returns what the scheduler class saw, every finished
+    request's rows digest, and the class EngineCore's config resolved."""
+    seen: list[Any] = []
+    build = vllm_setup.build_vllm_config
+
+    def configured(cfg: BenchConfig, r3: bool) -> Any:
+        config = build(cfg, r3)
+        if make_cls is not None:  # as --scheduler-cls / a plugin sets it
+            base = config.scheduler_config.get_scheduler_cls()
+            config.scheduler_config.scheduler_cls = make_cls(base, seen)
+        return config
+
+    with monkeypatch.context() as patch:
+        patch.setattr(vllm_setup, "build_vllm_config", configured)
+        # vLLM loads its general plugins (prime_r3) while building a config: the test
+        # decides what is applied, not the plugin.
+        patch.setenv("PRIME_R3", "0")
+        sim = Simulator(_config(async_scheduling), r3=True)
+    try:
+        for _ in range(STEPS):
+            sim.step()
+        digests = {r: (sha, rows) for r, (sha, _, rows) in sim.finished.items()}
+        return seen, digests, type(sim.scheduler)
+    finally:
+        sim.close()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append(record)
+
+
+def _counters() -> dict[str, Any]:
+    from prime_r3.fixes import batched_take, packed_outputs
+
+    return {
+        "take": batched_take.COUNTERS.snapshot(),
+        "handshake": packed_outputs.COUNTERS.snapshot(),
+    }
+
+
+def _reset_counters() -> None:
+    from prime_r3.fixes import batched_take, packed_outputs
+
+    batched_take.COUNTERS.reset()
+    packed_outputs.COUNTERS.reset()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_overriding_scheduler_gets_upstreams_dict(
+    async_scheduling: bool, reverted: pytest.MonkeyPatch
+) -> None:
+    """Every step it receives is a plain dict whose msgspec encoding is the overlay-off
+    one, and the rows every request finishes with are upstream's. Failed before the
+    consumer check: it received unfilled ``PackedAuxOutputs`` that msgspec encoded as
+    ``{}``."""
+    expected, expected_rows, cls = _run(async_scheduling, _overriding, reverted)
+    assert cls.__name__ == "Overriding"
+    assert len(expected) > STEPS // 2 and {t for t, _, _ in expected} == {dict}
+    report = prime_r3.apply(log=False)
+    assert {"packed_outputs", "batched_take", "batched_commit"} <= set(report.applied)
+    _reset_counters()
+    from prime_r3.fixes import packed_outputs
+
+    reverted.setattr(packed_outputs, "_logged", set())  # a fresh process's record
+    records = _Records()  # on prime_r3's logger: vLLM's may or may not propagate to root
+    logger = logging.getLogger("vllm.prime_r3")
+    logger.addHandler(records)
+    try:
+        got, got_rows, _ = _run(async_scheduling, _overriding, reverted)
+    finally:
+        logger.removeHandler(records)
+    assert [t for t, _, _ in got] == [dict] * len(expected)
+    assert got == expected  # same sizes and msgspec bytes, step by step
+    assert got_rows == expected_rows
+    counts = _counters()
+    assert counts["handshake"]["declared_steps"] == 0
+    assert counts["handshake"]["withheld_reasons"] == {
+        "update_from_output": counts["handshake"]["withheld_steps"]
+    }
+    assert counts["handshake"]["withheld_steps"] >= len(got)
+    assert counts["take"]["fast_requests"] == 0  # nothing packed reached take_output
+    warnings = [r.getMessage() for r in records.seen if "update_from_output" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # once per process and class, not per step
+    assert "Overriding" in warnings[0] and "dict" in warnings[0]
+
+
+@pytest.mark.parametrize("subclass", [False, True])
+def test_upstreams_scheduler_still_gets_packed_steps(
+    subclass: bool, reverted: pytest.MonkeyPatch
+) -> None:
+    """vLLM's own scheduler class (``Scheduler`` or ``AsyncScheduler``, whichever the
+    config resolves), or a subclass that keeps its ``update_from_output``: every step is
+    declared, arrives packed and unfilled, and batched_take serves its requests by slice;
+    rows as with the overlay off."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    make = _not_overriding if subclass else None
+    _, expected_rows, cls = _run(True, make, reverted)
+    assert issubclass(cls, Scheduler) and (cls.__name__ == "Scheduling") is subclass
+    prime_r3.apply(log=False)
+    _reset_counters()
+    seen, got_rows, _ = _run(True, make, reverted)
+    assert got_rows == expected_rows
+    counts = _counters()
+    assert counts["handshake"]["withheld_steps"] == 0, counts
+    assert counts["handshake"]["declared_steps"] > STEPS // 2
+    assert counts["take"]["batched_steps"] > STEPS // 2  # packed, unfilled steps read
+    assert counts["take"]["fast_requests"] > 10 * STEPS
+    assert counts["take"]["fallback_reasons"].get("not_packed", 0) == 0
+    assert (len(seen) > STEPS // 2) is subclass
+
+
+def test_an_instance_or_foreign_layer_on_update_from_output_withholds(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """The consumer is what EngineCore calls: an instance attribute, or another layer's
+    wrapper of ``Scheduler.update_from_output`` (``functools.wraps`` copies its names,
+    identity does not), is not upstream's function."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler.__dict__["update_from_output"]
+
+    @functools.wraps(original)
+    def layered(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return original(self, *args, **kwargs)
+
+    prime_r3.apply(log=False)
+    reverted.setattr(Scheduler, "update_from_output", layered)
+    _reset_counters()
+    _run(False, None, reverted)
+    counts = _counters()
+    assert counts["handshake"]["declared_steps"] == 0, counts
+    assert counts["handshake"]["withheld_reasons"].keys() == {"update_from_output"}
+    reverted.setattr(Scheduler, "update_from_output", original)
+    _reset_counters()  # the layer gone, upstream's function is found and verified again
+    _run(False, None, reverted)
+    counts = _counters()
+    assert counts["handshake"]["withheld_steps"] == 0 and counts["handshake"]["declared_steps"]
+
+    def instance_level(base: type, seen: list[Any]) -> type:
+        class Patched(base):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                self.update_from_output = functools.partial(base.update_from_output, self)
+
+        return Patched
+
+    _reset_counters()
+    _run(False, instance_level, reverted)
+    counts = _counters()
+    assert counts["handshake"]["declared_steps"] == 0, counts
+    assert counts["handshake"]["withheld_reasons"].keys() == {"update_from_output"}
+
+
+def test_a_consumer_changed_between_steps_is_seen_at_the_next_step(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """The scheduler is found once, then each step checks its consumer by identity: a
+    layer put on ``Scheduler.update_from_output``, or an instance attribute, after steps
+    were declared withholds from the next step on; removed, the next step is declared."""
+    import types
+
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from prime_r3.packed import FORMAT_VERSION, READS_MARK
+    from tests.test_packed_outputs import real_vllm
+
+    if not hasattr(SchedulerOutput, "make_empty"):
+        pytest.skip("no SchedulerOutput.make_empty on this release")
+    scheduler = real_vllm().scheduler
+    empty = SchedulerOutput.make_empty()
+
+    def build(self: Any) -> Any:  # as Scheduler.schedule calls it, from its own method
+        return self.aux_output_connector.build_connector_meta(empty, {})
+
+    step = types.MethodType(build, scheduler)
+    prime_r3.apply(["packed_outputs"], log=False)
+    assert getattr(step(), READS_MARK) == FORMAT_VERSION
+    original = Scheduler.__dict__["update_from_output"]
+
+    @functools.wraps(original)
+    def layered(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return original(self, *args, **kwargs)
+
+    reverted.setattr(Scheduler, "update_from_output", layered)
+    assert not hasattr(step(), READS_MARK)
+    reverted.setattr(Scheduler, "update_from_output", original)
+    assert getattr(step(), READS_MARK) == FORMAT_VERSION
+    bound = functools.partial(original, scheduler)
+    reverted.setattr(scheduler, "update_from_output", bound, raising=False)
+    assert not hasattr(step(), READS_MARK)
+    reverted.delattr(scheduler, "update_from_output")
+    assert getattr(step(), READS_MARK) == FORMAT_VERSION

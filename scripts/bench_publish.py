@@ -19,15 +19,23 @@ per-round mean, arms alternating in each round, all in this process:
   slots): both arms' floor, no page faults.
 * ``copies``: the put's 'blocks' payload copies alone, upstream's slice assignments vs
   one numpy copy into consecutive slots (what batching the writer could save at most).
+
+``--simulator N`` instead runs ``prime-r3 bench``'s real engine loop (its ``Simulator``:
+real scheduler, worker connector, store and writer thread) at N concurrent requests,
+every patch on vs every patch but store_arena, each arm in a fresh process, arms
+alternating, and prints the writer thread's CPU per step (``ThreadClock``) over the
+window: medians of ``--rounds`` (default here 3; each arm takes ~30-60 s at N=400).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -146,12 +154,72 @@ def _copies(store_mod: Any, payloads: list[Any], blocks: int, count: int) -> dic
     return out
 
 
+def _simulator_arm(patches: str, concurrency: int, steps: int, warmup: int) -> None:
+    """Child process: the bench's engine loop with ``patches``; prints writer ms/step."""
+    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+    os.environ["PRIME_R3_PATCHES"] = patches
+    from prime_r3 import layer
+    from prime_r3.bench import loop
+    from prime_r3.bench.workload import BenchConfig
+
+    report = prime_r3.apply(log=False)
+    cfg = BenchConfig(concurrency=concurrency, steps=steps, warmup=warmup, parity=False)
+    sim = loop.Simulator(cfg, True)
+    for _ in range(warmup):
+        sim.step()
+    writer = sim.writer_clock.seconds()
+    for _ in range(steps):
+        sim.step()
+    sim.connector._store._queue.join()  # the window's puts are done
+    writer = sim.writer_clock.seconds() - writer
+    active = sorted(report.names(layer.APPLIED, layer.PENDING, layer.ALREADY))
+    print(json.dumps({"writer_ms": writer / steps * 1e3, "active": active}))
+
+
+def simulator(concurrency: int, rounds: int, steps: int, warmup: int) -> None:
+    arms = {"every patch": "all", f"all but {PATCH}": f"all,-{PATCH}"}
+    results: dict[str, list[float]] = {name: [] for name in arms}
+    for r in range(rounds):
+        for name, patches in list(arms.items())[:: 1 if r % 2 == 0 else -1]:
+            args = [str(x) for x in (patches, concurrency, steps, warmup)]
+            child = subprocess.run(
+                [sys.executable, __file__, "--_arm", *args],
+                capture_output=True,
+                text=True,
+                check=True,
+                env={**os.environ, "PRIME_R3": "1"},
+            )
+            out = json.loads(child.stdout.strip().splitlines()[-1])
+            assert (PATCH in out["active"]) == (patches == "all"), out["active"]
+            results[name].append(out["writer_ms"])
+    print(
+        f"writer thread CPU ms/step, bench Simulator N={concurrency}, {steps} steps after "
+        f"{warmup}, median of {rounds} rounds (each round's value in brackets):"
+    )
+    for name, values in results.items():
+        shown = ", ".join(f"{v:.3f}" for v in values)
+        print(f"  {name:>22}: {statistics.median(values):.3f}  [{shown}]")
+    without, with_ = (statistics.median(v) for v in reversed(list(results.values())))
+    print(f"  ratio (without / with {PATCH}): {without / with_:.2f}x")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--_arm"]:
+        _simulator_arm(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=None, help="default 5 (3 with --simulator)")
+    parser.add_argument("--simulator", type=int, metavar="N", help="the bench's engine loop")
+    parser.add_argument("--steps", type=int, default=150, help="--simulator: measured steps")
+    parser.add_argument("--warmup", type=int, default=60, help="--simulator: warm-up steps")
     parser.add_argument("--puts", type=int, default=60, help="steps (puts) per round and arm")
     parser.add_argument("--blocks", default="28,70", help="blocks per step, comma list")
     args = parser.parse_args(argv)
+    if args.simulator:
+        simulator(args.simulator, args.rounds or 3, args.steps, args.warmup)
+        return 0
+    args.rounds = args.rounds or 5
     logging.getLogger("vllm.prime_r3").setLevel(logging.WARNING)
     prime_r3.revert()
     from vllm.distributed.aux_output_connector import routed_experts as routed

@@ -94,5 +94,4 @@ SPEC = PatchSpec(
         "Same slots, keys, bytes and memory; only the mapping's kind differs. Arenas "
         "made by growth stay upstream's shared kind."
     ),
-    diff_pending="one line of store.py's __init__ (the mmap flags); not written yet",
 )

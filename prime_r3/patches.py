@@ -13,6 +13,7 @@ from prime_r3.fixes import (
     batched_take,
     engine_gc,
     packed_outputs,
+    store_arena,
     store_eviction,
     store_growth,
     store_headroom,
@@ -29,6 +30,7 @@ REGISTRY: tuple[PatchSpec, ...] = (
     batched_begin.SPEC,
     batched_take.SPEC,
     batched_meta.SPEC,
+    store_arena.SPEC,
 )
 
 

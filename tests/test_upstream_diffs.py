@@ -1,8 +1,9 @@
 """patches/: each fix as an upstream-form diff, checked against the installed vLLM and the overlay.
 
 What each release expects (``EXPECTED``): 0.31.0 and 0.32.0 carry one diff per registry
-patch (all five); 0.33.0 carries engine_gc and packed_outputs only, because the store
-patches are fixed upstream there (the registry says so, and a test ties the two).
+patch that has one (all six); 0.33.0 carries engine_gc, packed_outputs and store_arena,
+because the other store patches are fixed upstream there (the registry says so, and a
+test ties the two).
 
 The parity tests build one patched copy of the installed ``vllm`` package per session
 (hard links, patched files copied; ``scripts/patches.py apply``), then run
@@ -29,11 +30,18 @@ from prime_r3 import guards
 from prime_r3.patches import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL = ["engine_gc", "packed_outputs", "store_eviction", "store_headroom", "store_growth"]
+ALL = [
+    "engine_gc",
+    "packed_outputs",
+    "store_eviction",
+    "store_headroom",
+    "store_growth",
+    "store_arena",
+]
 EXPECTED = {
     "0.31.0": ALL,
     "0.32.0": ALL,
-    "0.33.0": ["engine_gc", "packed_outputs"],
+    "0.33.0": ["engine_gc", "packed_outputs", "store_arena"],
 }
 SCENARIO_TIMEOUT = 900
 
@@ -69,7 +77,9 @@ def test_one_diff_per_applicable_registry_patch(release: str) -> None:
     assert [d.name for d in diffs] == EXPECTED[release]
     assert patches.registry_names(release) == EXPECTED[release]
     assert patches.registry_mismatch(release, diffs) == []
-    assert [d.order for d in diffs] == [ALL.index(d.name) + 1 for d in diffs]
+    # Numbered by registry position (a pending patch keeps its number free).
+    registry = [spec.name for spec in REGISTRY]
+    assert [d.order for d in diffs] == [registry.index(d.name) + 1 for d in diffs]
     for diff in diffs:
         text = diff.path.read_text()
         assert f"prime_r3 registry patch: {diff.name} " in text  # the header names it
@@ -252,6 +262,14 @@ def test_store_pile_up_rotation_matches(results: dict[str, Any]) -> None:
     first = diffs["states"][0]
     assert not first[0][0].startswith("r")  # the referenced pile-up left the front
     assert [k for k, _ in first[-800:]] == [f"r{i}" for i in range(800)]
+
+
+def test_arena_mapping_and_contents_match(results: dict[str, Any]) -> None:
+    """store_arena: the diff builds the same private arena, same slots and bytes."""
+    overlay, diffs = _pair(results, "arena", "store_arena")
+    assert diffs == overlay
+    assert diffs["perms"] == "rw-p" and diffs["size"] == 48 * 4096
+    assert len(diffs["slots"]) == 48  # full: 12 evicted
 
 
 def test_headroom_sizing_matches(results: dict[str, Any]) -> None:

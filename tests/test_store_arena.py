@@ -1,0 +1,194 @@
+"""store_arena: the store's arena is a private mapping; nothing observable differs.
+
+Per release: store_arena applies on vLLM 0.31.0, 0.32.0 and 0.33.0 (BlockObjectStore's
+``__init__`` is verified on each: 0.33 adds the ``_slots`` map, and builds its arena the
+same way). On every release the patched store must match the real upstream class
+(upstream's own ``__init__``/``put``/``_evict_to_fit`` bound on a reference instance) op
+by op on the seeded sequences of tests/store_harness.py: puts with duplicate keys,
+retains, releases, evictions, overflow errors (0.31/0.32; 0.33 grows instead),
+over-release ``KeyError``s, gets of missing keys, and after ``close`` the closed-store
+errors, directly and through vLLM's writer thread. On 0.31/0.32 also stacked with
+store_eviction, store_headroom (same target) and store_growth (whose growth makes a
+new, shared, arena).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import re
+
+import pytest
+
+import prime_r3
+from prime_r3 import layer
+from prime_r3.fixes import store_arena
+from tests.store_harness import (
+    Op,
+    Sequence,
+    assert_same_state,
+    installed_release,
+    key_to_slot,
+    run_sequence,
+    store_fixed_upstream,
+    store_mod,
+    upstream_store,
+)
+
+SEEDS = range(120)
+NUM_OPS = 200
+STORE_PATCHES = ["store_eviction", "store_headroom", "store_growth"]
+
+
+def mapping_of(arena: mmap.mmap) -> str:
+    """The permission field of ``arena``'s line in /proc/self/maps (e.g. ``rw-p``)."""
+    view = (ctypes.c_char * 1).from_buffer(arena)
+    try:
+        address = ctypes.addressof(view)
+    finally:
+        del view  # releases the export, so the arena can still be closed
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            low, high, perms = re.match(r"([0-9a-f]+)-([0-9a-f]+) (\S+)", line).groups()
+            if int(low, 16) <= address < int(high, 16):
+                return perms
+    raise AssertionError(f"arena at {address:#x} not in /proc/self/maps")
+
+
+def test_applies_on_every_supported_release(reverted: pytest.MonkeyPatch) -> None:
+    report = prime_r3.apply(names=["store_arena"], log=False)
+    assert report.outcome("store_arena").state == layer.APPLIED, (installed_release(), report)
+
+
+def test_arena_is_private_and_zeroed_and_upstream_is_shared(reverted: pytest.MonkeyPatch) -> None:
+    """Fails without the patch: upstream's arena is a shared mapping (``rw-s``)."""
+    upstream = store_mod.BlockObjectStore(max_bytes=10 * 4096 + 5, object_nbytes=4096)
+    assert mapping_of(upstream._arena) == "rw-s"  # what the patch exists to change
+    prime_r3.apply(names=["store_arena"], log=False)
+    store = store_mod.BlockObjectStore(max_bytes=10 * 4096 + 5, object_nbytes=4096)
+    assert mapping_of(store._arena) == "rw-p"
+    assert store.num_slots == upstream.num_slots == 10
+    assert len(store._arena) == len(upstream._arena) == 10 * 4096
+    assert store._arena[:] == upstream._arena[:] == bytes(10 * 4096)
+    assert not store._arena.closed and not upstream._arena.closed
+    # Upstream's rejections are unchanged (raised by upstream's __init__, before ours).
+    for kwargs, message in (
+        ({"max_bytes": 10, "object_nbytes": 0}, "object size must be positive"),
+        ({"max_bytes": 3, "object_nbytes": 4}, "must fit at least one object"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            store_mod.BlockObjectStore(**kwargs)
+    store.close()
+    assert store._arena is None
+    prime_r3.revert()
+    again = store_mod.BlockObjectStore(max_bytes=4096, object_nbytes=4096)
+    assert mapping_of(again._arena) == "rw-s"  # revert restores upstream's construction
+
+
+def test_store_not_fresh_after_init_keeps_its_arena(reverted: pytest.MonkeyPatch) -> None:
+    """An ``__init__`` below ours that already stored something: the arena is kept."""
+    init = store_arena._store_init({})
+    upstream_init = store_mod.BlockObjectStore.__init__  # nothing applied: upstream's
+
+    def init_then_put(*args: object, **kwargs: int) -> None:
+        upstream_init(*args, **kwargs)
+        args[0].put([store_mod.BlockObject("k", b"abcd")])
+
+    store = store_mod.BlockObjectStore.__new__(store_mod.BlockObjectStore)
+    init(init_then_put, store, (store,), {"max_bytes": 8, "object_nbytes": 4})
+    assert mapping_of(store._arena) == "rw-s" and store._arena[:4] == b"abcd"
+    fresh = store_mod.BlockObjectStore.__new__(store_mod.BlockObjectStore)
+    init(upstream_init, fresh, (fresh,), {"max_bytes": 8, "object_nbytes": 4})
+    assert mapping_of(fresh._arena) == "rw-p" and store_arena.fresh(fresh)
+
+
+def _apply(names: list[str]) -> bool:
+    """Apply ``names``; where the store patches are fixed upstream (0.33), store_arena only."""
+    if store_fixed_upstream():
+        prime_r3.apply(names=["store_arena"], log=False)
+        return False
+    prime_r3.apply(names=names, log=False)
+    return "store_growth" in names
+
+
+@pytest.mark.parametrize("names", [["store_arena"], [*STORE_PATCHES, "store_arena"]])
+def test_random_sequences_match_upstream(names: list[str], reverted: pytest.MonkeyPatch) -> None:
+    growth = _apply(names)
+    totals = {"ops": 0, "no_room": 0, "grown": 0}
+    for seed in SEEDS:
+        for key, value in run_sequence(seed, NUM_OPS, growth=growth).items():
+            totals[key] += value
+    assert totals["ops"] > len(SEEDS) * NUM_OPS * 0.9
+    # The sequences reach what they exist for (on 0.33 overflow grows, never raises).
+    assert totals["no_room"] > 0 or store_fixed_upstream(), totals
+    assert totals["grown"] > 0 or not growth, totals
+
+
+def test_slots_and_closed_store_errors_match_upstream(reverted: pytest.MonkeyPatch) -> None:
+    """Key -> slot (0.33's ``_slots``), payloads read back, and errors once closed."""
+    prime_r3.apply(names=["store_arena"], log=False)
+    reference = upstream_store(5 * 3, 3)
+    patched = store_mod.BlockObjectStore(max_bytes=5 * 3, object_nbytes=3)
+    assert mapping_of(patched._arena) == "rw-p" and mapping_of(reference._arena) == "rw-s"
+    block = store_mod.BlockObject
+    ops = [
+        Op("put", (block("a", b"aaa"), block("b", b"bbb"), block("a", b"AAA")), ("a",)),
+        Op("put", tuple(block(k, k.encode() * 3) for k in "cdefg"), (), ("a",)),
+        Op("get", keys=("g", "e", "f")),
+        Op("get", keys=("a",)),  # evicted
+        Op("put", (block("h", b"hhh"),), ("h", "h"), ("h",)),
+        Op("get", keys=("h", "g")),
+    ]
+    for index, op in enumerate(ops):
+        expected, got = op.run(reference), op.run(patched)
+        assert got == expected, f"op {index}: upstream {expected}, patched {got}"
+        assert key_to_slot(patched) == key_to_slot(reference), f"op {index}"
+        assert list(patched._lru) == list(reference._lru), f"op {index}"
+        assert patched._arena[:] == reference._arena[:], f"op {index}"
+    reference.close()
+    patched.close()
+    for op in (Op("put", (block("z", b"zzz"),)), Op("get", keys=("h",))):
+        expected, got = op.run(reference), op.run(patched)
+        assert expected == ("error", ("RuntimeError", "auxiliary output store is closed"))
+        assert got == expected
+
+
+def test_through_the_writer_thread_matches_upstream(reverted: pytest.MonkeyPatch) -> None:
+    """Puts on vLLM's writer thread (``BackgroundBlockObjectStore``) into a store_arena
+    store, gets from the main thread, vs upstream's store op by op; the first writer
+    error (no room on 0.31/0.32) must surface as upstream's, with its cause."""
+    prime_r3.apply(names=["store_arena"], log=False)
+    ops = failures = 0
+    for seed in range(30):
+        seq = Sequence(seed, allow_bad_release=False, retain_rate=0.3)
+        reference = upstream_store(seq.max_bytes, seq.object_nbytes)
+        inner = store_mod.BlockObjectStore(max_bytes=seq.max_bytes, object_nbytes=seq.object_nbytes)
+        assert mapping_of(inner._arena) == "rw-p"
+        background = store_mod.BackgroundBlockObjectStore(inner, max_pending_batches=4)
+        failed = False
+        try:
+            for index in range(NUM_OPS):
+                where = f"seed={seed} op={index}"
+                op = seq.next_op(reference)
+                expected, got = op.run(reference), op.run(background)
+                ops += 1
+                if expected[0] == "error" and op.kind == "put":
+                    with pytest.raises(store_mod.BlockObjectStoreError) as caught:
+                        background.get_concatenated([])  # joins the writer's queue
+                    cause = caught.value.__cause__
+                    assert (type(cause).__name__, str(cause)) == expected[1], where
+                    failures += 1
+                    failed = True
+                    break
+                assert got == expected, f"{where}: upstream {expected}, writer {got}"
+            if not failed:
+                background.get_concatenated([])
+            assert_same_state(reference, inner, f"seed={seed} end")
+        finally:
+            if failed:  # close() re-raises the writer error checked above
+                with pytest.raises(store_mod.BlockObjectStoreError):
+                    background.close()
+            else:
+                background.close()
+    assert ops > 2000
+    assert failures or store_fixed_upstream()  # 0.31/0.32: the no-room path was reached

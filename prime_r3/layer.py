@@ -659,9 +659,12 @@ def _pass_through_code(function: types.FunctionType, call: Any) -> types.CodeTyp
         f"        return {names[index]}(*{_ARGS}, **{_KWARGS})\n"
         "    return pass_through\n"
     )
-    namespace: dict[str, Any] = {}
-    exec(compile(source, "<prime_r3 pass-through>", "exec"), namespace)  # noqa: S102
-    code = namespace["cells"]().__code__
+    # Taken from the compiled constants, never executed: executing it would leave a
+    # namespace <-> function reference cycle per build, freed only by the cyclic
+    # collector (which engine_gc slows down and vLLM's gc.freeze() can pin).
+    module = compile(source, "<prime_r3 pass-through>", "exec")
+    cells = next(c for c in module.co_consts if isinstance(c, types.CodeType))
+    code = next(c for c in cells.co_consts if isinstance(c, types.CodeType))
     if code.co_freevars != names:
         raise TypeError(f"{function.__qualname__}: cannot build its pass-through")
     return code.replace(co_name=function.__code__.co_name, co_qualname=function.__qualname__)

@@ -268,6 +268,56 @@ def test_a_pass_through_in_a_stack_leaves_the_other_patch_exact(
     assert _live() is world.original
 
 
+CONSUMER = "tests.fake_lazy_consumer"
+CONSUME = f"{CONSUMER}:consume"
+
+
+def test_status_names_only_the_pass_throughs_that_stay(world, caplog) -> None:  # noqa: ANN001
+    """The patch spans Store.put (loaded at apply), ``consume`` (a lazy module imported
+    first, installed by its hook) and ``step`` (imported last, wrapped by another tool:
+    rollback). Other layers sat on Store.put and consume, so both stay as
+    pass-throughs. Once consume's other layer has left, apply removes that one: status
+    (and revert) must then name Store.put only. Before: they kept naming consume, whose
+    pass-through was gone (the reason was written once, at the rollback)."""
+    consume = Target(
+        CONSUMER,
+        "consume",
+        _file_fp("fake_lazy_consumer.py", "consume"),
+        lambda params: lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs) + 7,
+    )
+    put, step = _spanning(Calling.PLAIN).targets
+    world.set(_spec("spanning", put, consume, step))
+    _wrap_step_on_import()
+    assert layer.apply().outcome("spanning").state == layer.PENDING
+    from tests import fake_lazy_consumer as consumer
+
+    assert consumer.consume(1) == 17
+    ours_consume, ours_put = consumer.consume, _live()
+    consumer.consume = fake_layers.with_wrapt(ours_consume)
+    fake_upstream.Store.put = fake_layers.with_functools_wraps(ours_put)
+    mod = _import_lazy(caplog)
+    assert consumer.consume(1) == 10 and _put(1) == 2 and mod.step(1) == 2
+    assert set(state.inert_layers("spanning")) == {PUT, CONSUME}
+    reason = layer.status().outcome("spanning").reason
+    assert f"at {CONSUME}, {PUT} a layer that is not prime_r3's sits on ours" in reason
+
+    consumer.consume = ours_consume  # consume's other layer leaves
+    assert layer.apply().outcome("spanning").state == layer.SKIPPED  # Store.put's stays
+    assert consumer.consume is ours_consume.__wrapped__  # upstream's again
+    assert set(state.inert_layers("spanning")) == {PUT}
+    status = layer.status().outcome("spanning")
+    assert status.state == layer.SKIPPED
+    assert status.reason.startswith(f"on import of {LAZY}: target {STEP} is not upstream's")
+    assert f"at {PUT} a layer that is not prime_r3's sits on ours" in status.reason
+    assert CONSUME not in status.reason
+    assert layer.revert().outcome("spanning") == layer.Outcome(
+        "spanning", layer.KEPT, status.reason, status.vllm_range, status.processes
+    )
+    fake_upstream.Store.put = ours_put  # Store.put's other layer leaves
+    assert layer.revert().outcome("spanning").state == layer.REVERTED
+    assert _live() is world.original and state.inert_layers("spanning") == {}
+
+
 def test_an_exception_in_the_hook_also_leaves_no_target_working(world, caplog) -> None:  # noqa: ANN001
     """The ``except Exception`` branch of the hook (here: building what to guard
     raises) takes the same rollback. Before: Store.put kept its layer working and

@@ -311,7 +311,21 @@ def _inert_outcome(spec: PatchSpec) -> Outcome | None:
     """``spec`` skipped because an import hook rolled it back leaving pass-throughs
     under other layers (None if it left none)."""
     reason = state.inert_reason(spec.name)
-    return None if reason is None else _outcome(spec, SKIPPED, reason)
+    if reason is None:
+        return None
+    # Where pass-throughs stay now: an apply or revert may have removed some since.
+    return _outcome(spec, SKIPPED, f"{reason} ({_left_note(state.inert_layers(spec.name))})")
+
+
+def _left_note(left: Iterable[str]) -> str:
+    """What a rollback by an import hook left of a patch (``_retire``)."""
+    if not left:
+        return "its other targets were rolled back"
+    return (
+        f"its other targets were rolled back; at {', '.join(sorted(left))} a layer that is "
+        "not prime_r3's sits on ours, so ours stays under it as a pass-through that calls "
+        "exactly what it wrapped (removing it would break that layer)"
+    )
 
 
 def _stack_note(spec: PatchSpec, live: bool = False) -> str:
@@ -433,24 +447,17 @@ def _retire(spec: PatchSpec, reason: str) -> str:
     installed, and the patch's work on only some targets is what the guards exist to
     prevent. Why not take ours out from under the other layer: that means writing to
     its object (its ``__wrapped__``, or a closure we cannot reach), which is not ours.
-    Returns what happened to the other targets, for the log and the status.
+    Returns what happened to the other targets, for the log; status builds the same note
+    from the pass-throughs still recorded when asked (an apply or revert may have removed
+    some since).
     """
     layers = state.active_wrappers(spec.name) or {}
     for layer in layers.values():
         _make_pass_through(layer)
     state.make_inert(spec.name, reason)
     _sweep_inert()
-    left = sorted(state.inert_layers(spec.name))
+    note = _left_note(state.inert_layers(spec.name))
     failed = _run_on_revert(spec)
-    if not left:
-        note = "its other targets were rolled back"
-    else:
-        note = (
-            f"its other targets were rolled back; at {', '.join(left)} a layer that is not "
-            "prime_r3's sits on ours, so ours stays under it as a pass-through that calls "
-            "exactly what it wrapped (removing it would break that layer)"
-        )
-        state.set_inert_reason(spec.name, f"{reason} ({note})")  # what status reports
     return f"{note}; {failed}" if failed else note
 
 
@@ -659,9 +666,12 @@ def _pass_through_code(function: types.FunctionType, call: Any) -> types.CodeTyp
         f"        return {names[index]}(*{_ARGS}, **{_KWARGS})\n"
         "    return pass_through\n"
     )
-    namespace: dict[str, Any] = {}
-    exec(compile(source, "<prime_r3 pass-through>", "exec"), namespace)  # noqa: S102
-    code = namespace["cells"]().__code__
+    # Taken from the compiled constants, never executed: executing it would leave a
+    # namespace <-> function reference cycle per build, freed only by the cyclic
+    # collector (which engine_gc slows down and vLLM's gc.freeze() can pin).
+    module = compile(source, "<prime_r3 pass-through>", "exec")
+    cells = next(c for c in module.co_consts if isinstance(c, types.CodeType))
+    code = next(c for c in cells.co_consts if isinstance(c, types.CodeType))
     if code.co_freevars != names:
         raise TypeError(f"{function.__qualname__}: cannot build its pass-through")
     return code.replace(co_name=function.__code__.co_name, co_qualname=function.__qualname__)

@@ -48,7 +48,7 @@ _inners: dict[str, dict[str, tuple[Any, Any]]] = {}
 _pending: dict[str, tuple[object, set[str]]] = {}
 #: patch name -> {"module:attr": its layer left there as a pass-through} (see make_inert).
 _inert: dict[str, dict[str, Any]] = {}
-#: patch name -> why it was rolled back and which of its layers stay as pass-throughs.
+#: patch name -> why it was rolled back (the module and the cause).
 _inert_reasons: dict[str, str] = {}
 
 #: A ``__wrapped__`` chain longer than this is a cycle, not a stack of patches.
@@ -154,12 +154,6 @@ def make_inert(name: str, reason: str) -> dict[str, Any]:
     for key in [k for k, (layer, _) in pairs.items() if layers.get(k) is not layer]:
         del pairs[key]
     return layers
-
-
-def set_inert_reason(name: str, reason: str) -> None:
-    """Say why ``name`` left pass-throughs (once it is known which ones stay)."""
-    if _inert.get(name):
-        _inert_reasons[name] = reason
 
 
 def inert_layers(name: str) -> dict[str, Any]:

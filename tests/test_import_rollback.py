@@ -21,6 +21,7 @@ docstring says it guards behaviour that was kept.
 
 from __future__ import annotations
 
+import gc
 import logging
 import types
 from collections.abc import Callable
@@ -267,6 +268,56 @@ def test_a_pass_through_in_a_stack_leaves_the_other_patch_exact(
     assert _live() is world.original
 
 
+CONSUMER = "tests.fake_lazy_consumer"
+CONSUME = f"{CONSUMER}:consume"
+
+
+def test_status_names_only_the_pass_throughs_that_stay(world, caplog) -> None:  # noqa: ANN001
+    """The patch spans Store.put (loaded at apply), ``consume`` (a lazy module imported
+    first, installed by its hook) and ``step`` (imported last, wrapped by another tool:
+    rollback). Other layers sat on Store.put and consume, so both stay as
+    pass-throughs. Once consume's other layer has left, apply removes that one: status
+    (and revert) must then name Store.put only. Before: they kept naming consume, whose
+    pass-through was gone (the reason was written once, at the rollback)."""
+    consume = Target(
+        CONSUMER,
+        "consume",
+        _file_fp("fake_lazy_consumer.py", "consume"),
+        lambda params: lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs) + 7,
+    )
+    put, step = _spanning(Calling.PLAIN).targets
+    world.set(_spec("spanning", put, consume, step))
+    _wrap_step_on_import()
+    assert layer.apply().outcome("spanning").state == layer.PENDING
+    from tests import fake_lazy_consumer as consumer
+
+    assert consumer.consume(1) == 17
+    ours_consume, ours_put = consumer.consume, _live()
+    consumer.consume = fake_layers.with_wrapt(ours_consume)
+    fake_upstream.Store.put = fake_layers.with_functools_wraps(ours_put)
+    mod = _import_lazy(caplog)
+    assert consumer.consume(1) == 10 and _put(1) == 2 and mod.step(1) == 2
+    assert set(state.inert_layers("spanning")) == {PUT, CONSUME}
+    reason = layer.status().outcome("spanning").reason
+    assert f"at {CONSUME}, {PUT} a layer that is not prime_r3's sits on ours" in reason
+
+    consumer.consume = ours_consume  # consume's other layer leaves
+    assert layer.apply().outcome("spanning").state == layer.SKIPPED  # Store.put's stays
+    assert consumer.consume is ours_consume.__wrapped__  # upstream's again
+    assert set(state.inert_layers("spanning")) == {PUT}
+    status = layer.status().outcome("spanning")
+    assert status.state == layer.SKIPPED
+    assert status.reason.startswith(f"on import of {LAZY}: target {STEP} is not upstream's")
+    assert f"at {PUT} a layer that is not prime_r3's sits on ours" in status.reason
+    assert CONSUME not in status.reason
+    assert layer.revert().outcome("spanning") == layer.Outcome(
+        "spanning", layer.KEPT, status.reason, status.vllm_range, status.processes
+    )
+    fake_upstream.Store.put = ours_put  # Store.put's other layer leaves
+    assert layer.revert().outcome("spanning").state == layer.REVERTED
+    assert _live() is world.original and state.inert_layers("spanning") == {}
+
+
 def test_an_exception_in_the_hook_also_leaves_no_target_working(world, caplog) -> None:  # noqa: ANN001
     """The ``except Exception`` branch of the hook (here: building what to guard
     raises) takes the same rollback. Before: Store.put kept its layer working and
@@ -408,3 +459,42 @@ def test_the_real_batched_take_can_become_a_pass_through(reverted) -> None:  # n
         ours.__code__ = code
         layer.revert(["batched_take"])
     assert vars(AuxOutputSchedulerConnector)["take_output"] is upstream
+
+
+def test_building_a_plain_layer_leaves_no_cyclic_garbage() -> None:
+    """A plain layer's pass-through code is made at every build (apply, and each
+    rebuild when a patch under it comes or goes) and must not leave objects that only
+    the cyclic collector frees: engine_gc raises its thresholds and vLLM freezes the
+    heap (``gc.freeze``), so such garbage would stay for the process's life. Before:
+    each build left a reference cycle (the namespace it was executed in and the
+    function made there, 2 objects)."""
+
+    def make(inner):  # noqa: ANN001, ANN202
+        def put(self, x):  # noqa: ANN001, ANN202
+            return inner(self, x) + 1
+
+        return put
+
+    upstream = vars(fake_upstream.Store)["put"]
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds is kept in gc.garbage
+    try:
+        built = layer._plain_layer(make, upstream, upstream, True)
+        gc.collect()
+        # Only what the build made counts (another thread may leave garbage meanwhile).
+        left = [o for o in gc.garbage if _made_for_a_pass_through(o)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert left == []
+    layer._make_pass_through(built)  # the code it made still works
+    assert built(fake_upstream.Store(), 3) == 6
+
+
+def _made_for_a_pass_through(obj: object) -> bool:
+    code = getattr(obj, "__code__", None)
+    if isinstance(obj, types.FunctionType) and code is not None:
+        return code.co_filename == "<prime_r3 pass-through>"
+    return isinstance(obj, dict) and any(
+        _made_for_a_pass_through(v) for v in list(obj.values()) if isinstance(v, types.FunctionType)
+    )

@@ -55,6 +55,38 @@ def mapping_of(arena: mmap.mmap) -> str:
     raise AssertionError(f"arena at {address:#x} not in /proc/self/maps")
 
 
+def vm_flags_of(arena: mmap.mmap) -> set[str]:
+    """The ``VmFlags`` of ``arena``'s mapping in /proc/self/smaps (e.g. ``nh``: no THP)."""
+    view = (ctypes.c_char * 1).from_buffer(arena)
+    try:
+        address = ctypes.addressof(view)
+    finally:
+        del view
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+            if head:
+                inside = int(head.group(1), 16) <= address < int(head.group(2), 16)
+            elif inside and line.startswith("VmFlags:"):
+                return set(line.split()[1:])
+    raise AssertionError(f"arena at {address:#x} has no VmFlags in /proc/self/smaps")
+
+
+def test_private_arena_never_uses_huge_pages_as_upstreams_shmem_does_not(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """A private mapping would get transparent huge pages under THP ``always``; the
+    arena is advised off them (``nh``), so it stays on 4 KiB pages like upstream's."""
+    prime_r3.apply(names=["store_arena"], log=False)
+    store = store_mod.BlockObjectStore(max_bytes=1024 * 4096, object_nbytes=4096)
+    try:
+        assert mapping_of(store._arena) == "rw-p"
+        assert "nh" in vm_flags_of(store._arena)
+    finally:
+        store.close()
+
+
 def test_applies_on_every_supported_release(reverted: pytest.MonkeyPatch) -> None:
     report = prime_r3.apply(names=["store_arena"], log=False)
     assert report.outcome("store_arena").state == layer.APPLIED, (installed_release(), report)

@@ -121,3 +121,21 @@ def test_bench_only_dependencies_are_an_extra(dependency: str) -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert not any(r.startswith(dependency) for r in project["dependencies"])
     assert any(r.startswith(dependency) for r in project["optional-dependencies"]["bench"])
+
+
+def test_a_bench_arm_leaves_no_model_directory_behind(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every arm of every round builds a vLLM config from a temporary model directory;
+    it used to stay in /tmp (thousands on a machine that ran the bench for a while)."""
+    import tempfile
+
+    from prime_r3.bench import vllm_setup
+    from prime_r3.bench.workload import BenchConfig
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cfg = BenchConfig(concurrency=8, layers=5, topk=3, experts=16)
+    vllm_config = vllm_setup.build_vllm_config(cfg, r3=True)
+    hf = vllm_config.model_config.hf_config
+    assert (hf.num_hidden_layers, hf.num_experts_per_tok, hf.num_local_experts) == (5, 3, 16)
+    assert sorted(tmp_path.glob("prime_r3_bench_*")) == []  # (torch may put its own here)

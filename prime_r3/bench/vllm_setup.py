@@ -51,20 +51,22 @@ def build_vllm_config(cfg: BenchConfig, r3: bool) -> Any:
     """VllmConfig for the run: prefix caching, chunked prefill, optional async scheduling."""
     from vllm.engine.arg_utils import EngineArgs
 
-    model_dir = write_model_dir(cfg, tempfile.mkdtemp(prefix="prime_r3_bench_"))
-    args = EngineArgs(
-        model=model_dir,
-        skip_tokenizer_init=True,
-        enable_prefix_caching=True,
-        enable_chunked_prefill=True,
-        max_num_seqs=max(cfg.concurrency, 8),
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        block_size=cfg.block_size,
-        max_model_len=cfg.prompt_len + cfg.max_tokens + cfg.block_size,
-        load_format="dummy",
-        dtype="bfloat16",
-    )
-    vllm_config = args.create_engine_config()
+    # The model directory only holds the config vLLM reads while building its config;
+    # removed afterwards, so a bench run (one per arm and round) leaves nothing in /tmp.
+    with tempfile.TemporaryDirectory(prefix="prime_r3_bench_") as directory:
+        args = EngineArgs(
+            model=write_model_dir(cfg, directory),
+            skip_tokenizer_init=True,
+            enable_prefix_caching=True,
+            enable_chunked_prefill=True,
+            max_num_seqs=max(cfg.concurrency, 8),
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            block_size=cfg.block_size,
+            max_model_len=cfg.prompt_len + cfg.max_tokens + cfg.block_size,
+            load_format="dummy",
+            dtype="bfloat16",
+        )
+        vllm_config = args.create_engine_config()
     # The CPU platform turns async scheduling off for its own runner; ours is simulated.
     vllm_config.scheduler_config.async_scheduling = cfg.async_scheduling
     vllm_config.aux_output_config.enable_return_routed_experts = r3

@@ -224,3 +224,28 @@ def test_through_the_writer_thread_matches_upstream(reverted: pytest.MonkeyPatch
                 background.close()
     assert ops > 2000
     assert failures or store_fixed_upstream()  # 0.31/0.32: the no-room path was reached
+
+
+def test_a_kernel_that_refuses_the_advice_keeps_upstreams_arena(
+    reverted: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A kernel built without THP answers ``MADV_NOHUGEPAGE`` with ``EINVAL``; here an
+    advice no kernel knows gets the same real ``EINVAL``. The store must still be built
+    (upstream's shared arena, its own size and contents), with one warning naming the
+    error: before, the ``OSError`` escaped ``BlockObjectStore.__init__`` and the worker's
+    connector (the engine) failed to start."""
+    prime_r3.apply(names=["store_arena"], log=False)
+    reverted.setattr(store_arena, "_NO_HUGE_PAGES", 0x7FFF)
+    reverted.setattr(store_arena, "_refused", False, raising=False)
+    with caplog.at_level("WARNING", logger="vllm.prime_r3"):
+        stores = [
+            store_mod.BlockObjectStore(max_bytes=8 * 4096, object_nbytes=4096) for _ in range(2)
+        ]
+    for store in stores:
+        assert mapping_of(store._arena) == "rw-s"  # upstream's kind, still open
+        assert len(store._arena) == 8 * 4096 and store._arena[:] == bytes(8 * 4096)
+        store.put([store_mod.BlockObject("k", b"x" * 4096)])
+        assert store.get_concatenated(["k"]) == b"x" * 4096
+        store.close()
+    refused = [r for r in caplog.records if "refused the private arena" in r.getMessage()]
+    assert len(refused) == 1 and "Invalid argument" in refused[0].getMessage()

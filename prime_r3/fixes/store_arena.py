@@ -26,12 +26,18 @@ first written, as before. Private vs shared only differs across ``fork`` (a chil
 would get a copy-on-write view instead of a shared one): nothing shares the arena with
 another process; the writer thread and the step loop are its only users.
 
+A kernel that refuses the private mapping or its advice (``MADV_NOHUGEPAGE`` is
+``EINVAL`` on a kernel built without THP; ``ENOMEM`` under strict overcommit, where both
+arenas exist for a moment) leaves the store with upstream's arena, logged once: the
+store is built as upstream builds it, never not at all.
+
 Not covered: arenas made later by growth (store_growth's ``grow`` on 0.31/0.32, 0.33's
 own ``put``) are upstream's shared kind again; growth is rare (once per doubling).
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 from collections.abc import Mapping
 from typing import Any
@@ -45,6 +51,8 @@ from prime_r3.spec import PatchSpec, Process, Target, WrapperFn
 # object_nbytes)`` and write nothing into it.
 STORE_INIT = frozenset({"1b818a0cd8d9cf4d", "12d70a733172ed5e"})
 
+logger = logging.getLogger("vllm.prime_r3")
+
 _PRIVATE = getattr(mmap, "MAP_PRIVATE", None)
 _ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", None)
 _NO_HUGE_PAGES = getattr(mmap, "MADV_NOHUGEPAGE", None)
@@ -52,7 +60,8 @@ _NO_HUGE_PAGES = getattr(mmap, "MADV_NOHUGEPAGE", None)
 
 def private_arena(nbytes: int) -> mmap.mmap:
     """A zero-filled anonymous private mapping of ``nbytes`` (upstream's is shared),
-    advised never to use transparent huge pages.
+    advised never to use transparent huge pages. Raises ``OSError`` (and keeps nothing
+    mapped) when the kernel refuses the mapping or either advice.
 
     Why the advice: upstream's shared arena is shmem, which gets huge pages only where
     ``shmem_enabled`` asks for them (``never`` by default); a private anonymous mapping
@@ -61,13 +70,33 @@ def private_arena(nbytes: int) -> mmap.mmap:
     holds at that moment, and khugepaged could collapse pages later; both differ from
     upstream only by the setting of the machine. ``MADV_NOHUGEPAGE`` keeps the arena on
     4 KiB pages as upstream's is, whatever the setting (the measured gain is the cheaper
-    private fault, not huge pages: see the module docstring).
+    private fault, not huge pages: see the module docstring). A kernel built without
+    THP refuses that advice (``EINVAL``): the caller then keeps upstream's arena.
     """
     assert _PRIVATE is not None and _ANONYMOUS is not None  # checked by the wrapper
     arena = mmap.mmap(-1, nbytes, flags=_PRIVATE | _ANONYMOUS)
-    if _NO_HUGE_PAGES is not None:
-        arena.madvise(_NO_HUGE_PAGES)
+    try:
+        if _NO_HUGE_PAGES is not None:
+            arena.madvise(_NO_HUGE_PAGES)
+    except OSError:
+        arena.close()
+        raise
     return arena
+
+
+def _keep_upstreams(error: OSError) -> None:
+    """Log once per process that stores keep upstream's arena, and why."""
+    global _refused
+    if not _refused:
+        _refused = True
+        logger.warning(
+            "prime_r3 store_arena: the kernel refused the private arena (%s); "
+            "aux-output stores keep upstream's shared arena",
+            error,
+        )
+
+
+_refused = False
 
 
 def fresh(store: Any) -> bool:
@@ -91,7 +120,11 @@ def _store_init(params: Mapping[str, Any]) -> WrapperFn:
         if instance is None or _PRIVATE is None or _ANONYMOUS is None or not fresh(instance):
             return result  # not upstream's store as __init__ leaves it: no opinion
         shared = instance._arena
-        instance._arena = private_arena(len(shared))
+        try:
+            instance._arena = private_arena(len(shared))
+        except OSError as error:  # a kernel without THP refuses the advice: upstream's
+            _keep_upstreams(error)
+            return result
         shared.close()
         return result
 

@@ -22,9 +22,11 @@ built the store, replace its still untouched arena by an anonymous ``MAP_PRIVATE
 mapping of the same length, and close upstream's. Both are zero-filled and never
 written yet, so no slot, key, error or payload can differ: every later read and write
 goes through the same ``mmap`` object API. Memory is the same: pages cost RSS when
-first written, as before. Private vs shared only differs across ``fork`` (a child
-would get a copy-on-write view instead of a shared one): nothing shares the arena with
-another process; the writer thread and the step loop are its only users.
+first written, as before. Private vs shared only differs across ``fork``: nothing
+shares the arena with another process (the writer thread and the step loop are its only
+users), and the private arena is wiped on fork (``MADV_WIPEONFORK``), so a forked child
+gets zeros rather than copy-on-write pages and no page is kept twice (see
+``private_arena``).
 
 A kernel that refuses the private mapping or its advice (``MADV_NOHUGEPAGE`` is
 ``EINVAL`` on a kernel built without THP; ``ENOMEM`` under strict overcommit, where both
@@ -39,6 +41,8 @@ from __future__ import annotations
 
 import logging
 import mmap
+import platform
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,6 +60,11 @@ logger = logging.getLogger("vllm.prime_r3")
 _PRIVATE = getattr(mmap, "MAP_PRIVATE", None)
 _ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", None)
 _NO_HUGE_PAGES = getattr(mmap, "MADV_NOHUGEPAGE", None)
+# Python's mmap module does not export MADV_WIPEONFORK (Linux 4.14+); 18 is its value in
+# glibc's generic Linux header (asm-generic/mman-common.h) for every architecture vLLM
+# runs on (only PA-RISC numbers it otherwise). Elsewhere: no private arena.
+_LINUX = sys.platform.startswith("linux") and not platform.machine().startswith("parisc")
+_WIPE_ON_FORK = getattr(mmap, "MADV_WIPEONFORK", 18 if _LINUX else None)
 
 
 def private_arena(nbytes: int) -> mmap.mmap:
@@ -72,12 +81,26 @@ def private_arena(nbytes: int) -> mmap.mmap:
     4 KiB pages as upstream's is, whatever the setting (the measured gain is the cheaper
     private fault, not huge pages: see the module docstring). A kernel built without
     THP refuses that advice (``EINVAL``): the caller then keeps upstream's arena.
+
+    Why ``MADV_WIPEONFORK``: across ``fork`` upstream's shared pages stay one copy, while
+    a private mapping's touched pages become copy-on-write: each page the writer thread
+    rewrites after a fork is copied, and the child keeps the old one for its life (an
+    in-process engine's process forking e.g. ``multiprocessing`` workers: up to twice
+    the touched arena, plus a copying fault per rewritten page). Wiped on fork, a child
+    gets a fresh zero-filled arena instead and the parent's pages stay its own, so no
+    more memory is alive than upstream's. No vLLM code reads the arena in another
+    process (the writer thread and the step loop of the worker that built it are its
+    only users; vLLM's workers build their store after being started), so a child
+    reading zeros where upstream's would read the parent's live slots changes nothing
+    vLLM does. A kernel older than 4.14 refuses it (``EINVAL``): upstream's arena.
     """
     assert _PRIVATE is not None and _ANONYMOUS is not None  # checked by the wrapper
+    assert _WIPE_ON_FORK is not None
     arena = mmap.mmap(-1, nbytes, flags=_PRIVATE | _ANONYMOUS)
     try:
         if _NO_HUGE_PAGES is not None:
             arena.madvise(_NO_HUGE_PAGES)
+        arena.madvise(_WIPE_ON_FORK)
     except OSError:
         arena.close()
         raise
@@ -117,7 +140,13 @@ def fresh(store: Any) -> bool:
 def _store_init(params: Mapping[str, Any]) -> WrapperFn:
     def init_private_arena(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
         result = wrapped(*args, **kwargs)
-        if instance is None or _PRIVATE is None or _ANONYMOUS is None or not fresh(instance):
+        if (
+            instance is None
+            or _PRIVATE is None
+            or _ANONYMOUS is None
+            or _WIPE_ON_FORK is None
+            or not fresh(instance)
+        ):
             return result  # not upstream's store as __init__ leaves it: no opinion
         shared = instance._arena
         try:

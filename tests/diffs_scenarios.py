@@ -148,10 +148,11 @@ def scenario_arena(ctx: Context) -> dict[str, Any]:
 
     from vllm.distributed.aux_output_connector import store as store_mod
 
-    from tests.test_store_arena import mapping_of
+    from tests.test_store_arena import mapping_of, vm_flags_of
 
     store = store_mod.BlockObjectStore(max_bytes=48 * 4096 + 7, object_nbytes=4096)
     perms, size = mapping_of(store._arena), len(store._arena)
+    advice = sorted({"nh", "wf"} & vm_flags_of(store._arena))  # no THP, wiped on fork
     objects = [store_mod.BlockObject(f"k{i}", bytes([i]) * 4096) for i in range(60)]
     store.put(objects[:40], retain_keys=[o.key for o in objects[:20]])
     # New keys only: 0.33 re-puts existing keys in set order (hash-seed dependent).
@@ -160,6 +161,7 @@ def scenario_arena(ctx: Context) -> dict[str, Any]:
     read = hashlib.sha256(store.get_concatenated(list(reversed(slots))))
     result = {
         "perms": perms,
+        "advice": advice,
         "size": size,
         "slots": slots,
         "arena": hashlib.sha256(store._arena[:]).hexdigest(),

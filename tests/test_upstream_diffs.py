@@ -269,6 +269,7 @@ def test_arena_mapping_and_contents_match(results: dict[str, Any]) -> None:
     overlay, diffs = _pair(results, "arena", "store_arena")
     assert diffs == overlay
     assert diffs["perms"] == "rw-p" and diffs["size"] == 48 * 4096
+    assert diffs["advice"] == ["nh", "wf"]  # 4 KiB pages like upstream's; wiped on fork
     assert len(diffs["slots"]) == 48  # full: 12 evicted
 
 

@@ -281,3 +281,76 @@ def test_a_consumer_changed_between_steps_is_seen_at_the_next_step(
     assert not hasattr(step(), READS_MARK)
     reverted.delattr(scheduler, "update_from_output")
     assert getattr(step(), READS_MARK) == FORMAT_VERSION
+
+
+def test_two_engines_stepping_on_two_threads_each_get_their_own_schedulers_judgement(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """Two in-process engines in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), each
+    stepping on its own thread: engine A's scheduler is upstream's, engine B's overrides
+    ``update_from_output``. The declaration caches one (connector, scheduler) pair; a
+    thread switch between A's check of the cached connector and its read of the cached
+    scheduler, while B's step replaces the pair, judged A's step by B's scheduler (and
+    B's by A's: a packed step for the overriding consumer). Here the switch is made
+    deterministic: a line tracer runs B's step at the start of the line where A reads
+    the cached scheduler, as the interpreter may switch threads there (failed before: A
+    withheld, and B declared; a free-running two-thread loop did both, 3 + 3 times in
+    400,000 steps)."""
+    import linecache
+    import sys
+    import types
+
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from prime_r3.fixes import packed_outputs
+    from prime_r3.packed import FORMAT_VERSION, READS_MARK
+    from tests.test_packed_outputs import real_vllm
+
+    if not hasattr(SchedulerOutput, "make_empty"):
+        pytest.skip("no SchedulerOutput.make_empty on this release")
+    real = real_vllm()
+    engine_a = real.scheduler
+    engine_b = vllm_setup.build_scheduler(real.vllm_config, real.kv_cache_config)
+    assert engine_a is not engine_b
+    engine_b.__class__ = _overriding(type(engine_b), [])  # its consumer is its own
+    empty = SchedulerOutput.make_empty()
+
+    def build(self: Any) -> Any:  # as Scheduler.schedule calls it, from its own method
+        return self.aux_output_connector.build_connector_meta(empty, {})
+
+    step_a, step_b = types.MethodType(build, engine_a), types.MethodType(build, engine_b)
+    prime_r3.apply(["packed_outputs"], log=False)
+    code = packed_outputs._declare_packed_reader.__code__
+
+    def interleaved(first: Any, other: Any) -> Any:
+        """``first``'s step, with ``other``'s step run where ``first`` reads the cached
+        scheduler (``first``'s pair cached before); returns ``first``'s declaration."""
+        first()  # caches first's (connector, scheduler)
+        switched: list[bool] = []
+
+        def at_line(frame: Any, event: str, arg: Any) -> Any:
+            if event == "line" and not switched:
+                line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+                if "owner = " in line and "[1]()" in line:  # reads the cached scheduler
+                    switched.append(True)
+                    other()  # the other engine steps "on its thread"
+            return at_line
+
+        def on_call(frame: Any, event: str, arg: Any) -> Any:
+            if frame.f_code.co_name == "scheduler_reads_like_upstream" and (
+                frame.f_code.co_filename == code.co_filename
+            ):
+                return at_line
+            return None
+
+        sys.settrace(on_call)
+        try:
+            declared = getattr(first(), READS_MARK, None)
+        finally:
+            sys.settrace(None)
+        assert switched, "the cached scheduler was not read: the test reached nothing"
+        return declared
+
+    assert interleaved(step_a, step_b) == FORMAT_VERSION, "A's step judged by B's scheduler"
+    assert interleaved(step_b, step_a) is None, "B's overriding consumer was declared to"
+    assert getattr(step_a(), READS_MARK) == FORMAT_VERSION and not hasattr(step_b(), READS_MARK)

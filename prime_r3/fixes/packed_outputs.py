@@ -281,8 +281,12 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
         """
         nonlocal owner_of
         owner = None
-        if owner_of is not None and owner_of[0]() is instance:
-            owner = owner_of[1]()
+        # One read of the shared pair: engines stepping on other threads replace it, and
+        # a thread switch between reading its connector and its scheduler would judge
+        # this step by another engine's scheduler.
+        cached = owner_of
+        if cached is not None and cached[0]() is instance:
+            owner = cached[1]()
         if owner is None:
             owner = _scheduler_of(instance, sys._getframe(2))
             if owner is None:

@@ -382,7 +382,7 @@ def test_fast_step_keeps_what_an_inner_wrapper_set_on_the_metadata(
     requests = _requests(real, 24)
     first = next(iter(requests))
     sent = _sent_all(requests)
-    sent[first] -= 1  # one request with a hash to send: upstream packs it
+    del sent[first]  # one new request: upstream's loop handles it
     upstream = AuxOutputSchedulerConnector.build_connector_meta
     reference = _connector_copy(real.scheduler.aux_output_connector, sent)
     expected = _outcome(upstream, reference, _step(requests), requests)
@@ -482,3 +482,112 @@ def test_with_packed_outputs_stacked_under_it(
         assert unmarked == expected, f"seed {seed}: {_first_difference(expected, unmarked)}"
         assert got_rows == expected_rows, f"seed {seed}: finished rows differ"
     assert batched_meta.COUNTERS.snapshot()["fast_requests"] > 0
+
+
+# -- decoding requests with new block hashes (fast since the hashes case was covered) --
+
+
+def test_differential_covers_decoding_requests_with_new_hashes(
+    reverted: pytest.MonkeyPatch, small_batches: None
+) -> None:
+    """The randomised workload's decoding requests that complete a hash block take the
+    fast path (upstream's helper packs their hashes, without upstream's loop); every
+    step's metadata (block hashes in upstream's order) and state equal upstream's."""
+    batched_meta.COUNTERS.reset()
+    for seed in range(3):
+        prime_r3.revert()
+        expected, expected_rows, _ = run(seed)
+        prime_r3.apply(["batched_meta"], log=False)
+        got, got_rows, _ = run(seed)
+        assert got == expected, f"seed {seed}: {_first_difference(expected, got)}"
+        assert got_rows == expected_rows, f"seed {seed}: finished rows differ"
+    counts = batched_meta.COUNTERS.snapshot()
+    assert counts["fast_hashes"] > 0 and counts["fallback_requests"] > 0, counts
+
+
+def _hash_step(requests: dict[str, Any]) -> tuple[dict[str, int], list[str]]:
+    """Sent counts where some decoding requests have new hashes (not the first), one is
+    new, and two known requests are not scheduled (one with a hash to send)."""
+    ids = list(requests)
+    sent = _sent_all(requests)
+    for request_id in ids[3::4]:
+        sent[request_id] -= 1 + (len(request_id) % 2)
+    del sent[ids[1]]  # new: upstream's loop (setdefault, all its hashes)
+    unscheduled = ids[-2:]
+    sent[unscheduled[0]] -= 1  # a hash-only update from upstream's second loop
+    return sent, unscheduled
+
+
+@pytest.mark.parametrize("case", ["plain", "finished events", "scheduled id finished"])
+def test_new_hashes_packed_as_upstream_packs_them(case: str, reverted: pytest.MonkeyPatch) -> None:
+    """A crafted step: decoding requests with new hashes interleaved with a new one,
+    unscheduled requests and terminal events. Metadata (block hashes and their order)
+    and state equal upstream's; the decoding ones were fast. A terminal event for a
+    scheduled id (which would move upstream's entry) sends the step to upstream whole."""
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+    from tests.test_packed_outputs import real_vllm
+
+    real = real_vllm()
+    requests = _requests(real, 24)
+    sent, unscheduled = _hash_step(requests)
+    scheduled = {r: q for r, q in requests.items() if r not in unscheduled}
+    finished: dict[str, Any] = {}
+    if case != "plain":
+        some = next(iter(requests.values()))
+        finished = {"gone": None, "gone-with-hashes": _one_pack(some)}
+        if case == "scheduled id finished":
+            finished[list(scheduled)[7]] = _one_pack(some)
+    connector = real.scheduler.aux_output_connector
+
+    def outcome(call: Any) -> Any:
+        clone = _connector_copy(connector, sent)
+        clone._finished_requests = dict(finished)
+        return _outcome(call, clone, _step(scheduled), requests)
+
+    expected = outcome(AuxOutputSchedulerConnector.build_connector_meta)
+    assert expected[0][0] == "ok", expected
+    hashed_ids = [k for k, _ in expected[0][1][2]]
+    assert len(hashed_ids) >= 6, hashed_ids  # the step does send new hashes
+    prime_r3.apply(["batched_meta"], log=False)
+    batched_meta.COUNTERS.reset()
+    got = outcome(AuxOutputSchedulerConnector.build_connector_meta)
+    assert got == expected
+    counts = batched_meta.COUNTERS.snapshot()
+    if case == "scheduled id finished":
+        assert counts["fallback_reasons"] == {"step": 22} and counts["fast_hashes"] == 0
+    else:
+        assert counts["fallback_reasons"] == {"new": 1}, counts
+        assert counts["fast_hashes"] == len(list(scheduled)[3::4]), counts
+
+
+def _one_pack(request: Any) -> Any:
+    from vllm.distributed.aux_output_connector.connector import PackedBlockHashes
+
+    return PackedBlockHashes(b"".join(request.block_hashes), len(request.block_hashes[0]))
+
+
+def test_prompt_start_none_beside_new_hashes_goes_to_upstream_whole(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """Upstream's first loop raises at a request whose prompt start is None, after the
+    counts of the requests before it were written and before those after: with decoding
+    requests' hashes packed here, the step goes to upstream whole, same error, same state."""
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+    from tests.test_packed_outputs import real_vllm
+
+    real = real_vllm()
+    requests = _requests(real, 24)
+    sent, _ = _hash_step(requests)
+    list(requests.values())[9].sampling_params.routed_experts_prompt_start = None
+    connector = real.scheduler.aux_output_connector
+    upstream = AuxOutputSchedulerConnector.build_connector_meta
+    expected = _outcome(upstream, _connector_copy(connector, sent), _step(requests), requests)
+    assert expected[0][:2] == ("raise", TypeError), expected
+    prime_r3.apply(["batched_meta"], log=False)
+    batched_meta.COUNTERS.reset()
+    patched = AuxOutputSchedulerConnector.build_connector_meta
+    got = _outcome(patched, _connector_copy(connector, sent), _step(requests), requests)
+    assert got == expected
+    assert batched_meta.COUNTERS.snapshot()["fallback_reasons"] == {"step": 24}

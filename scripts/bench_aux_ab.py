@@ -19,7 +19,9 @@ of ``prime-r3 bench``; same workload and seed):
 
 Rounds alternate the order (A B, B A, ...) so drift hits both arms alike. Printed per
 N: medians over rounds of ``aux`` and its parts (``begin_step``, ``prepare_output``,
-``process_output``, main-thread CPU per step, ms) per arm, and after / before.
+``process_output``, main-thread CPU per step, ms) per arm, after / before of the
+medians, the median of each round's after / before (its two runs were back to back),
+and each round's ``aux``. A part neither version changes is the noise control.
 """
 
 from __future__ import annotations
@@ -121,6 +123,15 @@ def main() -> None:
                 print(f"{arm:>8} " + " ".join(f"{med[arm][c]:>12.3f}" for c in COLUMNS))
             ratio = " ".join(f"{med['after'][c] / med['before'][c]:>12.3f}" for c in COLUMNS)
             print(f"{'after/b':>8} {ratio}")
+            # Each round's two runs ran back to back: their ratio cancels slower drift.
+            pairs = list(zip(results["after"], results["before"], strict=True))
+            paired = " ".join(
+                f"{statistics.median(a[c] / b[c] for a, b in pairs):>12.3f}" for c in COLUMNS
+            )
+            print(f"{'paired':>8} {paired}   (median of per-round after/before)")
+            for arm in ("before", "after"):
+                rounds = " ".join(f"{r['aux_ms']:.3f}" for r in results[arm])
+                print(f"  {arm} aux per round: {rounds}")
 
 
 if __name__ == "__main__":

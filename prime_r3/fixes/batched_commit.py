@@ -111,8 +111,9 @@ class Counters:
             self.steps += 1
             self.batched_steps += fast > 0
             self.fast_requests += fast
-            self.fallback_requests += sum(reasons.values())
-            self.fallback_reasons.update(reasons)
+            if reasons:  # the common step has none: no Counter.update per step
+                self.fallback_requests += sum(reasons.values())
+                self.fallback_reasons.update(reasons)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -347,7 +348,9 @@ def _select(
         ok[new_tails[len(free_slots) :]] = False
         ok_tail[new_tails[len(free_slots) :]] = False
         new_tails = new_tails[: len(free_slots)]
-    reasons["tail"] += int((~ok_tail).sum()) - reasons["cursor"]
+    not_tail = int((~ok_tail).sum()) - reasons["cursor"]
+    if not_tail:  # no zero entry: the common step then has no reasons at all
+        reasons["tail"] += not_tail
     for k in new_tails.tolist():
         # What RoutedExpertsBuffer._tail does for a request without a tail.
         tail = request_tail(free_slots.pop(), starts_list[k])
@@ -373,21 +376,29 @@ def _select(
     slots = np.fromiter([tail.slot for tail in fast_tails], np.int64, k)
     cursors = (fast_starts + 1).tolist()
     new_lengths = fast_lengths + 1
-    # capture(): the tail grows by one row; _commit_output: all three cursors advance.
-    for tail, length in zip(fast_tails, new_lengths.tolist(), strict=True):
+    # One pass over the fast requests (each state is read once while its cache line is
+    # fresh, not again in a pass of its own): capture() grows the tail by one row,
+    # _commit_output advances all three cursors, and a state with blocks waiting for
+    # keys is noted (upstream's _publish_blocks gets it with [] to retry them).
+    waiting: list[int] = []
+    for i, state, tail, cursor, length in zip(
+        range(k), fast_states, fast_tails, cursors, new_lengths.tolist(), strict=True
+    ):
         tail.length = length
-    for state, cursor in zip(fast_states, cursors, strict=True):
         state.capture_cursor = state.scheduled_cursor = state.emit_cursor = cursor
+        if state.pending_blocks:
+            waiting.append(i)
     complete = new_lengths == block_size
-    if any([state.pending_blocks for state in fast_states]):
-        waiting = np.array([bool(state.pending_blocks) for state in fast_states], dtype=bool)
-    else:
-        waiting = np.zeros(k, dtype=bool)
     published = []
     published_at: list[int] = []
-    if complete.any() or waiting.any():
+    if waiting or complete.any():
         owned_slots = buffer._owned_slots
-        for i in np.flatnonzero(complete | waiting).tolist():
+        if waiting:
+            complete_or_waiting = complete.copy()
+            complete_or_waiting[waiting] = True
+        else:
+            complete_or_waiting = complete
+        for i in np.flatnonzero(complete_or_waiting).tolist():
             state = fast_states[i]
             if complete[i]:
                 # capture(): a full tail leaves _requests; the block view owns its slot.
@@ -571,6 +582,30 @@ def _packed(
         out_rows = _rows_at(rows, fast_rows)
         if not out_rows.flags.c_contiguous:
             out_rows = np.ascontiguousarray(out_rows)
+    elif not direct:
+        # Fast rows, then upstream's materialised outputs (a prefix hit's prompt rows
+        # from the store, a rewind's buffer copy): the same arrays as the merge below
+        # builds, in a constant number of operations.
+        k, m = len(fast), len(materialised)
+        first, last = fast[0], fast[-1]
+        if last - first + 1 == k:
+            fast_ids = ids[first : last + 1]
+            fast_starts = token_starts[first : last + 1]
+        else:
+            fast_ids = _pick(ids, fast)
+            fast_starts = token_starts[fast]
+        out_ids = [*fast_ids, *[request_id for request_id, _ in materialised]]
+        extra_rows = [output.rows for _, output in materialised]
+        out_starts = np.empty(k + m, dtype=np.int64)
+        out_starts[:k] = fast_starts
+        out_starts[k:] = [int(output.token_start) for _, output in materialised]
+        offsets = np.empty(k + m + 1, dtype=np.int64)
+        offsets[: k + 1] = np.arange(k + 1, dtype=np.int64)
+        np.cumsum([len(extra) for extra in extra_rows], out=offsets[k + 1 :])
+        offsets[k + 1 :] += k
+        out_rows = np.concatenate(
+            [_rows_at(rows, fast_rows), *extra_rows], axis=0, dtype=rows.dtype, casting="no"
+        )
     else:
         # Merge the fast rows with upstream's direct outputs by batch position, then
         # upstream's materialised ones: the order upstream's dict has.
@@ -618,7 +653,9 @@ def _packed(
         lengths[extra_at] = extra_lengths
         offsets = np.zeros(count + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        out_rows = _one_run(rows, pieces)
+        # Outputs upstream materialised (store bytes, buffer copies) are never views of
+        # the snapshot, so the pieces cannot be one run of it: no need to look.
+        out_rows = None if materialised else _one_run(rows, pieces)
         if out_rows is None:
             out_rows = np.concatenate(pieces, axis=0, dtype=rows.dtype, casting="no")
     joined: str | None = _SEPARATOR.join(out_ids)

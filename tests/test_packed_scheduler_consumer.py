@@ -331,13 +331,13 @@ def test_two_engines_stepping_on_two_threads_each_get_their_own_schedulers_judge
         def at_line(frame: Any, event: str, arg: Any) -> Any:
             if event == "line" and not switched:
                 line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-                if "owner = " in line and "[1]()" in line:  # reads the cached scheduler
+                if "= cached[" in line and "]()" in line:  # reads the cached consumer
                     switched.append(True)
                     other()  # the other engine steps "on its thread"
             return at_line
 
         def on_call(frame: Any, event: str, arg: Any) -> Any:
-            if frame.f_code.co_name == "scheduler_reads_like_upstream" and (
+            if frame.f_code.co_name == "consumer_withholds" and (
                 frame.f_code.co_filename == code.co_filename
             ):
                 return at_line
@@ -354,3 +354,219 @@ def test_two_engines_stepping_on_two_threads_each_get_their_own_schedulers_judge
     assert interleaved(step_a, step_b) == FORMAT_VERSION, "A's step judged by B's scheduler"
     assert interleaved(step_b, step_a) is None, "B's overriding consumer was declared to"
     assert getattr(step_a(), READS_MARK) == FORMAT_VERSION and not hasattr(step_b(), READS_MARK)
+
+
+class _Stop(BaseException):
+    """Ends an engine step once its metadata is built (not an ``Exception``: EngineCore's
+    ``log_error_detail`` would dump it)."""
+
+
+class _Executor:
+    """The model executor's one call the step makes before the model runs: keeps the
+    step's ``SchedulerOutput`` (what EngineCore sends the workers) and ends the step."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        self.sent.append(scheduler_output)
+        raise _Stop
+
+
+def _fresh_scheduler() -> Any:
+    """vLLM's real Scheduler (its real connector), built as EngineCore builds it, holding
+    the handshake test's three requests."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from prime_r3.bench.loop import _block_hasher
+    from tests.test_packed_handshake import PROMPTS
+    from tests.test_packed_outputs import real_vllm
+
+    real = real_vllm()
+    scheduler = vllm_setup.build_scheduler(real.vllm_config, real.kv_cache_config)
+    hasher = _block_hasher(real.vllm_config, real.kv_cache_config)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    for k, (request_id, length) in enumerate(PROMPTS.items()):
+        tokens = [100 * (k + 1) + t for t in range(length)]
+        scheduler.add_request(Request(request_id, tokens, params, None, block_hasher=hasher))
+    return scheduler
+
+
+def _engine(engine_cls: type, scheduler: Any) -> Any:
+    """An engine of ``engine_cls`` (vLLM's ``EngineCore`` or a subclass) holding the
+    attributes its step methods read up to ``execute_model``; its constructor would load
+    a model, so it is not run."""
+    import collections
+
+    engine = engine_cls.__new__(engine_cls)
+    engine.scheduler = scheduler
+    engine.model_executor = _Executor()
+    engine.batch_queue = collections.deque()
+    engine.batch_queue_size = 2
+    return engine
+
+
+def _engine_step(engine: Any, method: str) -> Any:
+    """One step of ``engine`` through ``method`` (vLLM's step code, or an override),
+    ended at ``execute_model``; then what the real worker connector makes of the
+    metadata sent: the step output's type (``PackedAuxOutputs`` only when declared)."""
+    from tests.test_packed_handshake import _worker_step
+
+    with pytest.raises(_Stop):
+        getattr(engine, method)()
+    sent = engine.model_executor.sent[-1]
+    output = _worker_step(sent.aux_output_connector_metadata, dict(sent.num_scheduled_tokens))
+    return type(output)
+
+
+def _overriding_step(base: type, method: str) -> type:
+    """An EngineCore subclass whose ``method`` reads the model output before its
+    scheduler (here it only calls upstream's: what it could read is the point)."""
+
+    def override(self: Any) -> Any:
+        return getattr(super(cls, self), method)()
+
+    cls = type("OverridingEngine", (base,), {method: override})
+    return cls
+
+
+@pytest.mark.parametrize("method", ["step", "step_with_batch_queue"])
+@pytest.mark.parametrize(
+    "variant", ["upstream", "class override", "instance attribute", "other method overridden"]
+)
+def test_the_engine_step_on_the_path_is_judged(
+    method: str, variant: str, reverted: pytest.MonkeyPatch
+) -> None:
+    """vLLM's own ``EngineCore.step`` / ``step_with_batch_queue`` with vLLM's Scheduler:
+    declared, the worker packs, and the consumer is found on the stack once, then each
+    step takes the cached identity checks. An EngineCore subclass (or an instance)
+    overriding the step method that calls ``schedule`` may read
+    ``model_output.aux_output_connector_output`` before the scheduler: withheld
+    (``engine_step``), the worker sends upstream's dict (failed before: the scheduler
+    alone was judged, so it was declared to). Overriding the other step method, not on
+    this engine's path, keeps the packed path."""
+    from vllm.v1.engine.core import EngineCore
+
+    from prime_r3.fixes import packed_outputs
+    from prime_r3.packed import PackedAuxOutputs
+
+    other = "step_with_batch_queue" if method == "step" else "step"
+    engine_cls = {
+        "upstream": EngineCore,
+        "class override": _overriding_step(EngineCore, method),
+        "instance attribute": EngineCore,
+        "other method overridden": _overriding_step(EngineCore, other),
+    }[variant]
+    engine = _engine(engine_cls, _fresh_scheduler())
+    if variant == "instance attribute":
+        engine.__dict__[method] = functools.partial(getattr(EngineCore, method), engine)
+    prime_r3.apply(["packed_outputs"], log=False)
+    _reset_counters()
+    searches: list[Any] = []
+    search = packed_outputs._consumer_of
+
+    def counted(connector: Any, frame: Any) -> Any:
+        searches.append(search(connector, frame))
+        return searches[-1]
+
+    reverted.setattr(packed_outputs, "_consumer_of", counted)
+    packed = variant in ("upstream", "other method overridden")
+    assert _engine_step(engine, method) is (PackedAuxOutputs if packed else dict)
+    for _ in range(2):
+        with pytest.raises(_Stop):
+            getattr(engine, method)()
+    counts = packed_outputs.COUNTERS.snapshot()
+    if packed:
+        assert counts == {"declared_steps": 3, "withheld_steps": 0, "withheld_reasons": {}}
+    else:
+        assert counts["declared_steps"] == 0, counts
+        assert counts["withheld_reasons"] == {"engine_step": 3}, counts
+    assert len(searches) == 1 and searches[0][0] is engine  # found once, then cached
+    assert searches[0][1] == method
+
+
+def test_a_delegating_scheduler_is_judged_by_its_own_consumer(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """A ``scheduler_cls`` that delegates ``schedule()`` to an inner vLLM ``Scheduler``
+    (which builds the step and holds the connector) but consumes the output with its own
+    ``update_from_output``: EngineCore hands the output to the outer one, so the step is
+    withheld (failed before: the nearest scheduler frame, the inner one, was judged and
+    the step declared). The same outer class delegating the consumer too is upstream's
+    chain and stays packed."""
+    from vllm.v1.engine.core import EngineCore
+
+    from prime_r3.fixes import packed_outputs
+    from prime_r3.packed import PackedAuxOutputs
+
+    class Delegating:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def has_requests(self) -> bool:
+            return self.inner.has_requests()
+
+        def schedule(self, *args: Any, **kwargs: Any) -> Any:
+            return self.inner.schedule(*args, **kwargs)
+
+        def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+            return self.inner.update_from_output(scheduler_output, model_runner_output)
+
+    prime_r3.apply(["packed_outputs"], log=False)
+    _reset_counters()
+    engine = _engine(EngineCore, Delegating(_fresh_scheduler()))
+    assert _engine_step(engine, "step") is dict
+    counts = packed_outputs.COUNTERS.snapshot()
+    assert counts["withheld_reasons"] == {"update_from_output": 1}, counts
+    # The engine's scheduler is what it calls: the inner one, unwrapped, is upstream's.
+    engine = _engine(EngineCore, engine.scheduler.inner)
+    assert _engine_step(engine, "step") is PackedAuxOutputs
+
+
+def test_a_function_of_its_own_stepping_an_upstream_engine_withholds(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """The engine's class is vLLM's, but the frame calling ``schedule`` runs code of its
+    own that happens to be named ``step`` (it then gets the model output itself): it is
+    not vLLM's ``EngineCore.step``, so the step is withheld (``engine_step``)."""
+    from vllm.v1.engine.core import EngineCore
+
+    from prime_r3.fixes import packed_outputs
+
+    def step(engine: Any) -> Any:
+        return engine.model_executor.execute_model(engine.scheduler.schedule(), non_block=True)
+
+    engine = _engine(EngineCore, _fresh_scheduler())
+    engine.custom_step = functools.partial(step, engine)
+    prime_r3.apply(["packed_outputs"], log=False)
+    _reset_counters()
+    assert _engine_step(engine, "custom_step") is dict
+    assert packed_outputs.COUNTERS.snapshot()["withheld_reasons"] == {"engine_step": 1}
+
+
+def test_a_helper_whose_first_parameter_is_not_self_is_still_judged(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """No engine on the stack: a custom scheduler (overriding ``update_from_output``)
+    building its metadata from a helper whose first parameter is ``sched`` is found
+    by its first argument, whatever its name, and withheld (failed before: no scheduler
+    found, the step was judged by ``take_output`` alone and declared)."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from prime_r3.fixes import packed_outputs
+    from prime_r3.packed import READS_MARK
+
+    if not hasattr(SchedulerOutput, "make_empty"):
+        pytest.skip("no SchedulerOutput.make_empty on this release")
+    scheduler = _fresh_scheduler()
+    scheduler.__class__ = _overriding(type(scheduler), [])
+    empty = SchedulerOutput.make_empty()
+
+    def helper(sched: Any) -> Any:
+        return sched.aux_output_connector.build_connector_meta(empty, {})
+
+    prime_r3.apply(["packed_outputs"], log=False)
+    _reset_counters()
+    assert not hasattr(helper(scheduler), READS_MARK)
+    assert packed_outputs.COUNTERS.snapshot()["withheld_reasons"] == {"update_from_output": 1}

@@ -16,25 +16,38 @@ possibly on another node with another prime_r3 (or none). EngineCore's
 (sent to workers inside ``SchedulerOutput``) with ``READS_MARK = FORMAT_VERSION``, a
 plain int attribute, and only while the live scheduler connector's ``take_output`` is
 upstream's plain function or ``batched_take``'s wrapper of exactly that function (not a
-subclass's or an instance's override, nor another layer's wrapper), **and** the
-scheduler building the step consumes its output with vLLM's own
-``Scheduler.update_from_output`` (inherited through its class's MRO, as
-``AsyncScheduler`` does; not a ``scheduler_cls`` subclass's override, an instance
-attribute or another layer's wrapper). Why the scheduler too: the packed form, and the
-unfilled one ``batched_take`` reads, were verified against upstream's consumer, which
-hands the step to ``take_output`` only. An overriding ``update_from_output`` may read
-the step itself (msgspec, for one, reads a dict's storage directly and sees an unfilled
-step as ``{}``), so its workers send upstream's dict: what it gets with the overlay
-off. Withheld steps are counted (``COUNTERS``) and logged once per class. The scheduler
-is found once per connector on the caller stack (vLLM gives the connector no reference
-to it) and kept weakly; each step then costs one identity check (~0.15 us). The worker
+subclass's or an instance's override, nor another layer's wrapper), **and** the chain
+that consumes the step is upstream's: the ``EngineCore`` building the step runs vLLM's
+own ``step`` / ``step_with_batch_queue`` (whichever called ``schedule``), and the
+scheduler it holds consumes the output with vLLM's own ``Scheduler.update_from_output``
+(inherited through its class's MRO, as ``AsyncScheduler`` does; not a subclass's
+override, an instance attribute or another layer's wrapper). Why the engine and the
+scheduler too: the packed form, and the unfilled one ``batched_take`` reads, were
+verified against upstream's chain, which hands the step to ``take_output`` only. An
+overriding engine step or ``update_from_output`` may read the step itself (msgspec, for
+one, reads a dict's storage directly and sees an unfilled step as ``{}``), so its
+workers send upstream's dict: what it gets with the overlay off. The engine's
+``scheduler`` is judged, not the scheduler frame nearest the connector: a
+``scheduler_cls`` delegating ``schedule`` to an inner vLLM ``Scheduler`` consumes with
+its own ``update_from_output``. With no EngineCore on the stack (the connector driven
+by a loop of its own: the bench's simulator, tests) the scheduler found on the stack is
+judged, and a direct call with neither by ``take_output`` alone; failing closed there
+would also withhold from those drivers, whose consumer is the scheduler they call.
+Withheld steps are counted (``COUNTERS``) and logged once per class. The engine (or
+scheduler) is found once per connector on the caller stack (vLLM gives the connector no
+reference to it) and kept weakly; each step then costs a few identity checks. The worker
 packs only when the metadata of its current step (what ``begin_step`` stored) carries
 the version it writes; otherwise the step goes as upstream's dict. So an EngineCore
 where this patch did not apply (changed anchor, ``PRIME_R3=0``, other
 ``PRIME_R3_PATCHES``, another format, prime_r3 absent), or whose consumer is not
 upstream's, never receives a packed step.
-The declaration is per process and stable, so reading the current step's metadata
-from ``process_output`` (which may run a step behind under async scheduling) is safe.
+The declaration is made per step, and the worker reads it from the metadata of its
+current step, which under async scheduling (or a batch queue) may be the step after the
+output it packs. That is safe while the consumer does not change: it is judged the same
+for both. A consumer changed at runtime (a layer put on ``update_from_output``, an
+engine step replaced) while steps are in flight can still receive the steps declared
+before the change, one or two packed steps: inherent to declaring ahead of the output,
+as upstream's own metadata is; the change is seen from the next built step on.
 
 Consumers keep working unchanged:
 
@@ -85,6 +98,11 @@ from prime_r3.spec import Anchor, PatchSpec, Process, Target, WrapperFn
 logger = logging.getLogger("vllm.prime_r3")
 #: The module of vLLM's own scheduler, whose ``update_from_output`` consumes the step.
 _SCHEDULER = "vllm.v1.core.sched.scheduler"
+#: The module of vLLM's EngineCore, whose step methods run the scheduler's consumer.
+_ENGINE = "vllm.v1.engine.core"
+#: EngineCore's methods that call ``self.scheduler.schedule()`` and hand the step's
+#: output to ``self.scheduler.update_from_output`` (the only callers in 0.31-0.33).
+_ENGINE_STEPS = frozenset({"step", "step_with_batch_queue"})
 
 
 def _pack_step_output(params: Mapping[str, Any]) -> WrapperFn:
@@ -112,9 +130,12 @@ class HandshakeCounters:
     """EngineCore's declaration, per step: declared, or withheld and why.
 
     Reasons: ``take_output`` (the scheduler connector's consumer is not upstream's
-    ``take_output``, bare or under prime_r3's wrappers), ``update_from_output`` (the
-    scheduler calling ``build_connector_meta`` runs another ``update_from_output`` than
-    vLLM's own ``Scheduler``'s), ``metadata`` (the metadata object takes no attribute).
+    ``take_output``, bare or under prime_r3's wrappers), ``engine_step`` (the EngineCore
+    building the step runs another ``step`` / ``step_with_batch_queue`` than vLLM's
+    own), ``update_from_output`` (the scheduler consuming the step, the engine's or with
+    no engine the one calling ``build_connector_meta``, runs another
+    ``update_from_output`` than vLLM's own ``Scheduler``'s), ``metadata`` (the metadata
+    object takes no attribute).
     Plain increments: ``build_connector_meta`` runs on EngineCore's scheduler thread,
     once per step. ``snapshot()`` is what tests and tools read.
     """
@@ -144,8 +165,9 @@ COUNTERS = HandshakeCounters()
 #: (reason, class) pairs already logged in this process: one warning each, not per step.
 _logged: set[tuple[str, str]] = set()
 
-#: Caller frames searched for the scheduler building the step (our wrappers, another
-#: layer's, a subclass's ``schedule`` calling upstream's: a handful).
+#: Caller frames searched for the engine (or scheduler) building the step (our wrappers,
+#: another layer's, a subclass's or a delegating ``schedule``, then EngineCore's step:
+#: a handful).
 _MAX_FRAMES = 16
 
 
@@ -156,73 +178,97 @@ def _warn_once(reason: str, cls: type, message: str) -> None:
         logger.warning("prime_r3 packed_outputs: %s", message)
 
 
-def _scheduler_of(connector: Any, frame: Any) -> Any:
-    """The scheduler building this step's metadata: the nearest caller whose ``self``
-    holds ``connector`` as its ``aux_output_connector`` (vLLM's ``Scheduler.schedule``,
-    whichever class runs it) or has an ``update_from_output`` (a scheduler of its own
-    keeping the connector elsewhere). None when no scheduler is on the stack (a direct
-    call: tests, tools).
+def _consumer_of(connector: Any, frame: Any) -> tuple[Any, str, Any]:
+    """Who will consume this step's output: ``(engine, method, scheduler)``.
 
-    Why the stack: the connector holds no reference to its scheduler (vLLM builds it
-    inside ``Scheduler.__init__``: no arguments in 0.31/0.32, the KV manager and KV
-    connector in 0.33), and ``Scheduler.schedule`` is its only caller in vLLM
-    0.31-0.33. Searched once per connector (the result is cached by the caller);
-    reading ``f_locals`` only on frames whose first argument is ``self``.
+    ``engine`` is the nearest caller whose first argument is an instance of vLLM's
+    ``EngineCore`` (its ``step`` or ``step_with_batch_queue`` calls
+    ``self.scheduler.schedule()``, and then hands the step's output to
+    ``self.scheduler.update_from_output``), ``method`` the name of the vLLM
+    ``EngineCore`` method that frame runs (``<qualname>`` when the frame runs code of
+    its own: no vLLM step method, so the step is withheld); then ``scheduler`` is None:
+    the engine's own ``scheduler`` attribute is what consumes the step, not the nearest
+    scheduler frame (a delegating scheduler's inner ``Scheduler`` builds the step, the
+    outer one consumes it). With no engine on the stack (a driver of its own, the
+    bench's simulator, tests) ``scheduler`` is the nearest caller whose first argument
+    holds ``connector`` as its ``aux_output_connector`` (vLLM's ``Scheduler.schedule``)
+    or has an ``update_from_output``; both None when neither is on the stack (a direct
+    call).
+
+    Why the stack: the connector holds no reference to its scheduler or engine (vLLM
+    builds it inside ``Scheduler.__init__``), and ``Scheduler.schedule`` is its only
+    caller in vLLM 0.31-0.33. The first argument is read whatever its name (a helper of
+    a custom scheduler may call it ``sched``). Searched once per connector (the caller
+    caches the result weakly).
     """
+    module = sys.modules.get(_ENGINE)
+    engine_cls = getattr(module, "EngineCore", None) if module is not None else None
+    if not isinstance(engine_cls, type):
+        engine_cls = None
+    scheduler = None
     for _ in range(_MAX_FRAMES):
         if frame is None:
-            return None
+            break
         code = frame.f_code
-        if code.co_argcount and code.co_varnames[0] == "self":
-            owner = frame.f_locals.get("self")
+        if code.co_argcount:
+            owner = frame.f_locals.get(code.co_varnames[0])
             if owner is not None and owner is not connector:
-                try:
-                    holds = vars(owner).get("aux_output_connector") is connector
-                except TypeError:  # no __dict__
-                    holds = False
-                if holds or inspect.getattr_static(owner, "update_from_output", None):
-                    return owner
+                if engine_cls is not None and isinstance(owner, engine_cls):
+                    name = code.co_name
+                    if code.co_qualname != f"EngineCore.{name}" or code.co_filename != (
+                        getattr(module, "__file__", None)
+                    ):  # not vLLM's own code (a subclass's, a function of its own)
+                        name = f"<{code.co_qualname}>"
+                    return owner, name, None
+                if scheduler is None:
+                    try:
+                        holds = vars(owner).get("aux_output_connector") is connector
+                    except TypeError:  # no __dict__
+                        holds = False
+                    if holds or inspect.getattr_static(owner, "update_from_output", None):
+                        scheduler = owner
         frame = frame.f_back
-    return None
+    return None, "", scheduler
 
 
-def _live_update_from_output() -> tuple[type | None, Any]:
-    """vLLM's ``Scheduler`` class (None if its module is not loaded) and the object its
-    class dict holds as ``update_from_output`` now."""
-    scheduler = getattr(sys.modules.get(_SCHEDULER), "Scheduler", None)
-    if not isinstance(scheduler, type):
+def _live_method(module: str, owner: str, name: str) -> tuple[type | None, Any]:
+    """vLLM's class ``module.owner`` (None if its module is not loaded) and the object
+    its class dict holds as ``name`` now."""
+    cls = getattr(sys.modules.get(module), owner, None)
+    if not isinstance(cls, type):
         return None, None
-    return scheduler, scheduler.__dict__.get("update_from_output")
+    return cls, cls.__dict__.get(name)
 
 
-def _upstream_update_from_output(scheduler: type | None, live: Any) -> Any:
-    """Upstream's function under ``live`` (``Scheduler.update_from_output``, perhaps
-    under prime_r3's wrappers), verified as upstream's plain function (compiled from
-    its ``def`` in the installed scheduler.py, as the guards check targets), or None:
-    the module is not loaded, or another layer replaced or wrapped it.
+def _upstream_method(module: str, cls: type | None, name: str, live: Any) -> Any:
+    """Upstream's function under ``live`` (``cls.name``, perhaps under prime_r3's
+    wrappers), verified as upstream's plain function (compiled from its ``def`` in the
+    installed source, as the guards check targets), or None: the module is not loaded,
+    or another layer replaced or wrapped it.
 
-    Not an anchor of the patch: it is checked only in EngineCore, at the first step
-    (again only if the class attribute is replaced), and an anchor's fingerprint would
-    skip the whole patch whenever a release touches that long method, though the packed
-    step relies only on its handing the step to ``take_output`` (the anchor). Another
-    layer on it is another consumer, so then no scheduler gets the declaration.
+    Used for ``Scheduler.update_from_output`` and ``EngineCore.step`` /
+    ``step_with_batch_queue``. Not anchors of the patch: they are checked only in
+    EngineCore, at the first step (again only if the class attribute is replaced), and
+    an anchor's fingerprint would skip the whole patch whenever a release touches those
+    long methods, though the packed step relies only on their handing the step to
+    ``take_output`` (the anchor). Another layer on one is another consumer, so then no
+    step on that path gets the declaration.
     """
     from prime_r3 import fingerprint, guards
 
-    if scheduler is None:
+    if cls is None:
         return None
     found = prime_state.unwrap_ours(live)
+    qualname = f"{cls.__qualname__}.{name}"
     try:
-        why = guards.not_plain(
-            found, fingerprint.locate(_SCHEDULER, "Scheduler.update_from_output")
-        )
+        why = guards.not_plain(found, fingerprint.locate(module, qualname))
     except fingerprint.SourceUnavailable as error:
         why = f"source unavailable: {error}"
     if why is not None:
         _warn_once(
-            "update_from_output",
-            scheduler,
-            f"vLLM's Scheduler.update_from_output is not upstream's plain function ({why}); "
+            name,
+            cls,
+            f"vLLM's {qualname} is not upstream's plain function ({why}); "
             "workers send upstream's dict",
         )
         return None
@@ -242,17 +288,31 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
     counters = COUNTERS
     # Upstream's update_from_output, verified at the first step (vLLM's scheduler
     # module is EngineCore's, not the workers') as (the class attribute verified, the
-    # result), again only when the class attribute is another object; and (connector,
-    # scheduler) weakly: a step then checks by identity only.
+    # result), again only when the class attribute is another object; EngineCore's step
+    # methods likewise, by name; and (connector, engine, engine method, scheduler)
+    # weakly: a step then checks by identity only.
     verified: tuple[Any, Any] | None = None
-    owner_of: tuple[Any, Any] | None = None
+    steps_verified: dict[str, tuple[Any, Any]] = {}
+    owner_of: tuple[Any, Any, str, Any] | None = None
 
     def upstream_update() -> Any:
         nonlocal verified
-        scheduler, live = _live_update_from_output()
+        scheduler, live = _live_method(_SCHEDULER, "Scheduler", "update_from_output")
         if verified is None or verified[0] is not live:
-            verified = (live, _upstream_update_from_output(scheduler, live))
+            verified = (live, _upstream_method(_SCHEDULER, scheduler, "update_from_output", live))
         return verified[1]
+
+    def upstream_step(name: str) -> Any:
+        """vLLM's own ``EngineCore.<name>`` (verified), or None: not one of the engine
+        methods that hand the step's output to the scheduler (a subclass's own method
+        calling ``schedule``), or replaced by another layer."""
+        if name not in _ENGINE_STEPS:
+            return None
+        engine, live = _live_method(_ENGINE, "EngineCore", name)
+        entry = steps_verified.get(name)
+        if entry is None or entry[0] is not live:
+            entry = steps_verified[name] = (live, _upstream_method(_ENGINE, engine, name, live))
+        return entry[1]
 
     def reads_like_upstream(instance: Any) -> bool:
         """Whether the live connector's consumer is upstream's take_output, bare or
@@ -266,35 +326,53 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
         found = prime_state.unwrap_ours(inspect.getattr_static(cls, "take_output", None))
         return found is not None and found is upstream_take_output
 
-    def scheduler_reads_like_upstream(instance: Any) -> bool:
+    def engine_steps_like_upstream(engine: Any, name: str) -> bool:
+        """Whether the engine building this step runs vLLM's own ``EngineCore.<name>``
+        (``step`` or ``step_with_batch_queue``, whichever called ``schedule``), inherited
+        through its class's MRO, bare or under prime_r3's wrappers, no instance
+        attribute.
+
+        Why: upstream's step hands the model output to ``self.scheduler`` and reads it
+        no other way. An ``EngineCore`` subclass (or instance) overriding the step may
+        read ``model_output.aux_output_connector_output`` before the scheduler does
+        (e.g. msgspec, which sees an unfilled step as ``{}``): its workers send
+        upstream's dict. Per step: one class attribute and one instance-dict lookup.
+        """
+        upstream = upstream_step(name)
+        if upstream is None:
+            ok = False
+        elif name in getattr(engine, "__dict__", ()):
+            ok = False
+        else:
+            cls = type(engine)
+            ok = getattr(cls, name, None) is upstream or (
+                prime_state.unwrap_ours(inspect.getattr_static(cls, name, None)) is upstream
+            )
+        if not ok:
+            cls = type(engine)
+            _warn_once(
+                "engine_step",
+                cls,
+                f"EngineCore {cls.__module__}.{cls.__qualname__} builds steps from its own "
+                f"{name} (overridden, an instance attribute, another layer or another "
+                "method than vLLM's step / step_with_batch_queue), which may read step "
+                "outputs itself; its workers send upstream's dict, not packed steps "
+                "(prime_r3.fixes.packed_outputs.COUNTERS counts the steps)",
+            )
+        return ok
+
+    def scheduler_reads_like_upstream(owner: Any) -> bool:
         """Whether the scheduler that will receive this step's output consumes it with
         vLLM's own ``Scheduler.update_from_output`` (inherited through its class's MRO,
         e.g. ``AsyncScheduler``, bare or under prime_r3's wrappers, no instance
-        attribute). A step built with no scheduler on the stack is judged by
-        ``take_output`` alone, as its caller reads it with whatever it calls.
+        attribute).
 
         Why: that is the consumer the packed and unfilled forms were verified with (it
         hands the step to ``take_output`` and reads it no other way). A scheduler class
         configured through ``scheduler_cls`` that overrides it may read the step itself,
         e.g. with msgspec, which sees an unfilled step as ``{}``; it gets upstream's dict.
-        Per step: one weakref call, one class attribute and one instance-dict lookup.
+        Per step: one class attribute and one instance-dict lookup.
         """
-        nonlocal owner_of
-        owner = None
-        # One read of the shared pair: engines stepping on other threads replace it, and
-        # a thread switch between reading its connector and its scheduler would judge
-        # this step by another engine's scheduler.
-        cached = owner_of
-        if cached is not None and cached[0]() is instance:
-            owner = cached[1]()
-        if owner is None:
-            owner = _scheduler_of(instance, sys._getframe(2))
-            if owner is None:
-                return True
-            try:
-                owner_of = (weakref.ref(instance), weakref.ref(owner))
-            except TypeError:  # not weakly referable: searched again next step
-                owner_of = None
         upstream = verified[1] if verified is not None else upstream_update()
         cls = type(owner)
         if (
@@ -321,12 +399,58 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
         )
         return False
 
+    def consumer_withholds(instance: Any) -> str | None:
+        """Why this step's consumer may not read a packed step (a ``COUNTERS`` reason),
+        or None: it is upstream's chain.
+
+        With an EngineCore on the stack (``_consumer_of``), the chain is the engine's
+        step method that called ``schedule`` (``engine_step``) and the scheduler the
+        engine holds, whose ``update_from_output`` it calls (``update_from_output``).
+        With none (a driver of its own: the bench's simulator, tests), the scheduler
+        found on the stack is judged as the consumer, and a step built with neither on
+        the stack is judged by ``take_output`` alone, as its caller reads it with
+        whatever it calls.
+        """
+        nonlocal owner_of
+        engine = scheduler = None
+        name = ""
+        # One read of the shared tuple: engines stepping on other threads replace it,
+        # and a thread switch between reading its connector and its engine (or
+        # scheduler) would judge this step by another engine's consumer.
+        cached = owner_of
+        if cached is not None and cached[0]() is instance:
+            if cached[1] is not None:
+                engine = cached[1]()
+                name = cached[2]
+            else:
+                scheduler = cached[3]()
+        if engine is None and scheduler is None:
+            engine, name, scheduler = _consumer_of(instance, sys._getframe(2))
+            if engine is None and scheduler is None:
+                return None
+            try:
+                owner_of = (
+                    weakref.ref(instance),
+                    None if engine is None else weakref.ref(engine),
+                    name,
+                    None if scheduler is None else weakref.ref(scheduler),
+                )
+            except TypeError:  # not weakly referable: searched again next step
+                owner_of = None
+        if engine is not None:
+            if not engine_steps_like_upstream(engine, name):
+                return "engine_step"
+            scheduler = getattr(engine, "scheduler", None)
+        if not scheduler_reads_like_upstream(scheduler):
+            return "update_from_output"
+        return None
+
     def declare_packed_reader(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
         metadata = wrapped(*args, **kwargs)
         # Declare only while the live connector's consumer is upstream's function and
-        # the scheduler's consumer is upstream's update_from_output: a subclass or
-        # instance that overrides either may not read a PackedAuxOutputs (or an
-        # unfilled one) as the dict it is, so its workers keep sending dicts.
+        # the engine's step and its scheduler's update_from_output are upstream's: a
+        # subclass or instance that overrides any may not read a PackedAuxOutputs (or
+        # an unfilled one) as the dict it is, so its workers keep sending dicts.
         if not reads_like_upstream(instance):
             counters.withheld("take_output")
             cls = type(instance)
@@ -336,8 +460,8 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
                 f"scheduler connector {cls.__module__}.{cls.__qualname__} does not consume "
                 "step outputs with vLLM's own take_output; its workers send upstream's dict",
             )
-        elif not scheduler_reads_like_upstream(instance):
-            counters.withheld("update_from_output")
+        elif (reason := consumer_withholds(instance)) is not None:
+            counters.withheld(reason)
         else:
             try:
                 setattr(metadata, READS_MARK, FORMAT_VERSION)  # a plain int: any worker reads it

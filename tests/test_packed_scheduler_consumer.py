@@ -570,3 +570,40 @@ def test_a_helper_whose_first_parameter_is_not_self_is_still_judged(
     _reset_counters()
     assert not hasattr(helper(scheduler), READS_MARK)
     assert packed_outputs.COUNTERS.snapshot()["withheld_reasons"] == {"update_from_output": 1}
+
+
+def test_a_caller_whose_first_argument_cannot_be_inspected_does_not_break_the_step(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """The stack search reads each caller's first argument (``isinstance``, ``vars``);
+    a driver's frame may hold one that raises there (a dead ``weakref.proxy`` raises
+    ``ReferenceError``). That caller is not the engine or scheduler: it is skipped and
+    the step is judged as with no such frame, never an error out of
+    ``build_connector_meta`` that upstream would not raise (failed before: the
+    ``ReferenceError`` reached the caller of ``schedule``)."""
+    import weakref
+
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from prime_r3.fixes import packed_outputs
+    from prime_r3.packed import FORMAT_VERSION, READS_MARK
+
+    if not hasattr(SchedulerOutput, "make_empty"):
+        pytest.skip("no SchedulerOutput.make_empty on this release")
+    scheduler = _fresh_scheduler()
+    empty = SchedulerOutput.make_empty()
+
+    class Handle:
+        pass
+
+    handle = Handle()
+    dead = weakref.proxy(handle)
+    del handle
+
+    def driver(gone: Any) -> Any:  # its first argument: a proxy whose referent is gone
+        return scheduler.aux_output_connector.build_connector_meta(empty, {})
+
+    prime_r3.apply(["packed_outputs"], log=False)
+    _reset_counters()
+    assert getattr(driver(dead), READS_MARK) == FORMAT_VERSION
+    assert packed_outputs.COUNTERS.snapshot()["declared_steps"] == 1

@@ -213,7 +213,12 @@ def _consumer_of(connector: Any, frame: Any) -> tuple[Any, str, Any]:
         if code.co_argcount:
             owner = frame.f_locals.get(code.co_varnames[0])
             if owner is not None and owner is not connector:
-                if engine_cls is not None and isinstance(owner, engine_cls):
+                try:
+                    is_engine = engine_cls is not None and isinstance(owner, engine_cls)
+                except Exception:  # e.g. a dead weakref.proxy: not the engine, skipped
+                    frame = frame.f_back
+                    continue
+                if is_engine:
                     name = code.co_name
                     if code.co_qualname != f"EngineCore.{name}" or code.co_filename != (
                         getattr(module, "__file__", None)
@@ -224,6 +229,8 @@ def _consumer_of(connector: Any, frame: Any) -> tuple[Any, str, Any]:
                     try:
                         holds = vars(owner).get("aux_output_connector") is connector
                     except TypeError:  # no __dict__
+                        holds = False
+                    except Exception:  # e.g. a dead weakref.proxy: no scheduler
                         holds = False
                     if holds or inspect.getattr_static(owner, "update_from_output", None):
                         scheduler = owner

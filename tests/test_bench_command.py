@@ -219,3 +219,19 @@ def test_one_round_runs_the_arms_in_display_order() -> None:
     arms = arms_mod.default_arms(["a", "b"], ["a"])
     assert command.arm_orders(arms, 1) == [arms]
     assert command.arm_orders([], 2) == [[], []]
+
+
+def test_withheld_packed_steps_are_listed_by_reason() -> None:
+    """The counts come from packed_outputs' own counter (as an arm's run snapshots it)."""
+    from prime_r3.fixes.packed_outputs import HandshakeCounters
+
+    counters = HandshakeCounters()
+    counters.declared_steps = 7
+    for reason in ("take_output", "take_output", "metadata"):
+        counters.withheld(reason)
+    results = {"r3_upstream": {"handshake": None}, "r3_prime": {"handshake": counters.snapshot()}}
+    assert command._fast_path_lines(results).splitlines() == [
+        "fast path vs upstream (first round, measured window):",
+        "  r3_prime packed_outputs: 7 steps declared packed / 3 withheld "
+        "(metadata 1, take_output 2)",
+    ]

@@ -286,9 +286,17 @@ def _order_line(number: int, order: Sequence[arms_mod.Arm]) -> str:
 
 
 def _fast_path_lines(results: dict[str, dict[str, Any]]) -> str:
-    """Per arm and counting patch: requests its fast path took vs upstream's code (window)."""
+    """Per arm and counting patch: requests its fast path took vs upstream's code, and
+    packed_outputs' handshake (steps sent packed vs withheld, by reason), in the window."""
     lines = []
     for arm, result in results.items():
+        if c := result.get("handshake"):
+            # Withheld steps go per request (upstream's form): the packed path's fallback.
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(c["withheld_reasons"].items()) if v)
+            lines.append(
+                f"  {arm} packed_outputs: {c['declared_steps']} steps declared packed / "
+                f"{c['withheld_steps']} withheld ({reasons or 'none withheld'})"
+            )
         for patch, c in (result.get("fast_path") or {}).items():
             reasons = ", ".join(f"{k} {v}" for k, v in sorted(c["fallback_reasons"].items()) if v)
             lines.append(

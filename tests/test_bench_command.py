@@ -124,10 +124,15 @@ def test_bench_only_dependencies_are_an_extra(dependency: str) -> None:
 
 
 def test_a_bench_arm_leaves_no_model_directory_behind(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: pathlib.Path, reverted: pytest.MonkeyPatch
 ) -> None:
     """Every arm of every round builds a vLLM config from a temporary model directory;
-    it used to stay in /tmp (thousands on a machine that ran the bench for a while)."""
+    it used to stay in /tmp (thousands on a machine that ran the bench for a while).
+
+    ``reverted``: building the config loads vLLM's general plugins, so prime_r3's plugin
+    applies the overlay in this process; what it applied (engine_gc pending import) is
+    reverted after, or a later test (test_registry's) finds it in force."""
+    monkeypatch = reverted
     import tempfile
 
     from prime_r3.bench import vllm_setup

@@ -30,7 +30,9 @@ which the other layer holds, stays the same). The rollback makes every layer of 
 patch a pass-through, removes each one it can reach through our own layers only, and
 records the rest as inert with the reason: status reports the patch skipped,
 ``is_object_patched`` is False for them, and the next apply or revert removes each one
-whose other layer has gone.
+whose other layer has gone (status reports as if it had, changing nothing), and forgets
+each one left in a module that is no longer the one in ``sys.modules`` (reloaded,
+re-imported, removed): what stands there now was never ours.
 """
 
 from __future__ import annotations
@@ -213,7 +215,14 @@ def revert(names: Iterable[str] | None = None) -> Report:
 
 
 def status(environ: Mapping[str, str] | None = None) -> Report:
-    """What apply() would do in this process now, without changing anything."""
+    """What apply() would do in this process now, without changing anything.
+
+    apply() first removes the pass-throughs no other layer sits on any more
+    (``_sweep_inert``); status does not (it writes to no module: it is what tools and
+    monitoring threads call while vLLM runs) but reports as if it had, so it names only
+    the pass-throughs still under another layer in the module now imported, and a
+    patch with none left is reported as apply() would then find it.
+    """
     specs = registry()
     settings = config.from_env(specs, environ)
     version = guards.installed_vllm_version()
@@ -221,7 +230,7 @@ def status(environ: Mapping[str, str] | None = None) -> Report:
     for spec in specs:
         if (in_force := _in_force(spec, APPLIED)) is not None:
             outcomes.append(in_force)
-        elif (inert := _inert_outcome(spec)) is not None:
+        elif (inert := _inert_outcome(spec, predict_sweep=True)) is not None:
             outcomes.append(inert)
         elif not settings.enabled:
             outcomes.append(_outcome(spec, DISABLED, f"{config.ENABLE_VAR}=0"))
@@ -307,14 +316,20 @@ def _in_force(spec: PatchSpec, installed: str) -> Outcome | None:
     return _outcome(spec, installed, _stack_note(spec, live=True))
 
 
-def _inert_outcome(spec: PatchSpec) -> Outcome | None:
+def _inert_outcome(spec: PatchSpec, predict_sweep: bool = False) -> Outcome | None:
     """``spec`` skipped because an import hook rolled it back leaving pass-throughs
-    under other layers (None if it left none)."""
+    under other layers (None if it left none). ``predict_sweep`` (status): leave out
+    those ``_sweep_inert`` would remove or forget now, without doing it."""
     reason = state.inert_reason(spec.name)
     if reason is None:
         return None
     # Where pass-throughs stay now: an apply or revert may have removed some since.
-    return _outcome(spec, SKIPPED, f"{reason} ({_left_note(state.inert_layers(spec.name))})")
+    left = state.inert_layers(spec.name)
+    if predict_sweep:
+        left = {k: v for k, v in left.items() if _inert_place(spec.name, k, v)[0] == _KEEP}
+        if not left:
+            return None
+    return _outcome(spec, SKIPPED, f"{reason} ({_left_note(left)})")
 
 
 def _left_note(left: Iterable[str]) -> str:
@@ -454,7 +469,8 @@ def _retire(spec: PatchSpec, reason: str) -> str:
     layers = state.active_wrappers(spec.name) or {}
     for layer in layers.values():
         _make_pass_through(layer)
-    state.make_inert(spec.name, reason)
+    homes = {key: _module_home(key.partition(":")[0]) for key in layers}
+    state.make_inert(spec.name, reason, {k: v for k, v in homes.items() if v is not None})
     _sweep_inert()
     note = _left_note(state.inert_layers(spec.name))
     failed = _run_on_revert(spec)
@@ -474,28 +490,75 @@ def _run_on_revert(spec: PatchSpec) -> str:
     return ""
 
 
-def _sweep_inert() -> None:
-    """Remove every pass-through (``state.make_inert``) that no layer but ours sits on.
+#: What ``_sweep_inert`` does with a pass-through (``_inert_place``).
+_KEEP, _FORGET, _REMOVE = "keep", "forget", "remove"
 
-    A pass-through no longer in its target's chain, whose chain is ours alone down to
-    upstream's saved object (the other layer was taken off together with ours), is
-    gone already: only its record is dropped.
+
+def _module_home(module: str) -> tuple[Any, Any] | None:
+    """The module object now in ``sys.modules`` and its ``__spec__``, weakly: a
+    re-import puts another module object there, and ``importlib.reload`` re-executes
+    the same object but gives it a new ``__spec__`` (and new functions and classes)."""
+    obj = sys.modules.get(module)
+    if obj is None:
+        return None
+    spec = getattr(obj, "__spec__", None)
+    try:
+        return weakref.ref(obj), (weakref.ref(spec) if spec is not None else None)
+    except TypeError:  # a module stand-in that takes no weak reference
+        return None
+
+
+def _home_is_current(module: str, home: tuple[Any, Any]) -> bool:
+    obj = sys.modules.get(module)
+    module_ref, spec_ref = home
+    if obj is None or obj is not module_ref():
+        return False
+    spec = getattr(obj, "__spec__", None)
+    return spec is None if spec_ref is None else spec is spec_ref()
+
+
+def _inert_place(name: str, key: str, layer: Any) -> tuple[str, Any]:
+    """What the sweep does with ``name``'s pass-through ``layer`` at ``key``; reads only.
+
+    ``_FORGET``: it is no longer in its target; only its record goes. Either the other
+    layer was taken off together with ours (the chain is ours alone down to upstream's
+    saved object), or the module it was left in is not the one in ``sys.modules`` any
+    more (re-imported, reloaded, or removed): what stands there now was never ours, so
+    no other layer sits on ours there. ``_REMOVE`` with (resolved target, our layers,
+    its position among them, what they wrap): our own layers alone sit on it.
+    ``_KEEP``: a layer that is not ours sits on it (or its module is not imported and
+    its place is unknown: never import a module to tidy up).
     """
+    target = _target_of(name, key)
+    home = state.inert_home(name, key)
+    if target is None:
+        return _KEEP, None
+    if home is not None and not _home_is_current(target.module, home):
+        return _FORGET, None
+    if target.module not in sys.modules:
+        return _KEEP, None
+    resolved = guards.resolve(target)
+    if isinstance(resolved, str):
+        return _KEEP, None
+    found, base = state.layers(resolved.raw)
+    position = next((i for i, (_, w) in enumerate(found) if w is layer), None)
+    if position is None:
+        return (_FORGET, None) if base is state.saved_original(key) else (_KEEP, None)
+    return _REMOVE, (resolved, found, position, base)
+
+
+def _sweep_inert() -> None:
+    """Remove every pass-through (``state.make_inert``) that no layer but ours sits on,
+    and forget those no longer in their target (``_inert_place``)."""
     for name, key, layer in state.inert_entries():
         if state.inert_layers(name).get(key) is not layer:
             continue  # removed with another one just now
-        target = _target_of(name, key)
-        if target is None or target.module not in sys.modules:
-            continue  # never import a module to tidy up
-        resolved = guards.resolve(target)
-        if isinstance(resolved, str):
+        place, where = _inert_place(name, key, layer)
+        if place == _FORGET:
+            state.drop_inert(name, key)
+        if place != _REMOVE:
             continue
-        found, base = state.layers(resolved.raw)
-        position = next((i for i, (_, w) in enumerate(found) if w is layer), None)
-        if position is None:
-            if base is state.saved_original(key):
-                state.drop_inert(name, key)
-            continue
+        resolved, found, position, base = where
         try:
             top, rebuilt = _rewrap(state.inner_of(layer), found[:position], key, base)
         except Exception as error:  # noqa: BLE001 - a plain factory that fails: keep it

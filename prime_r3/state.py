@@ -27,7 +27,8 @@ A patch an import hook had to roll back while another layer sat on one of its la
 keeps that layer as an *inert* pass-through (``make_inert``): still ours for walking a
 chain (it calls exactly what it wraps, so ``unwrap_ours`` sees through it), but no
 longer patched (``is_object_patched``, ``wrapped_by``, ``active_wrappers`` leave it
-out) and recorded with the reason, until the layer can remove it.
+out) and recorded with the reason and the module it was left in, until the layer can
+remove it, or finds that module replaced (the record is then stale).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ _pending: dict[str, tuple[object, set[str]]] = {}
 _inert: dict[str, dict[str, Any]] = {}
 #: patch name -> why it was rolled back (the module and the cause).
 _inert_reasons: dict[str, str] = {}
+#: patch name -> {"module:attr": the module the pass-through was left in, as the layer
+#: identifies it (weak references: a re-imported module's old object may go)}.
+_inert_homes: dict[str, dict[str, Any]] = {}
 
 #: A ``__wrapped__`` chain longer than this is a cycle, not a stack of patches.
 _MAX_LAYERS = 64
@@ -135,10 +139,13 @@ def forget(name: str) -> None:
     _pending.pop(name, None)
 
 
-def make_inert(name: str, reason: str) -> dict[str, Any]:
+def make_inert(name: str, reason: str, homes: dict[str, Any] | None = None) -> dict[str, Any]:
     """``name`` was rolled back: its installed layers, already made pass-throughs by
     the layer, are recorded as inert (nothing of ``name`` is active or pending any
-    more); returns them. The layer then removes those it can (``drop_inert``)."""
+    more); returns them. The layer then removes those it can (``drop_inert``).
+    ``homes``: per key, the module it sits in, as the layer identifies it
+    (``inert_home``), so a record outliving its module (reloaded, re-imported) is
+    recognised as stale."""
     layers = dict(_active.get(name, {}))
     if not layers:  # nothing installed yet: nothing left behind either
         forget(name)
@@ -147,6 +154,7 @@ def make_inert(name: str, reason: str) -> dict[str, Any]:
     # ours (inert or not) at every moment.
     _inert[name] = layers
     _inert_reasons[name] = reason
+    _inert_homes[name] = {k: v for k, v in (homes or {}).items() if k in layers}
     _active.pop(name, None)
     _functions.pop(name, None)
     _pending.pop(name, None)
@@ -166,6 +174,11 @@ def inert_reason(name: str) -> str | None:
     return _inert_reasons.get(name) if _inert.get(name) else None
 
 
+def inert_home(name: str, key: str) -> Any | None:
+    """The module ``name``'s pass-through at ``key`` was left in (None if unknown)."""
+    return _inert_homes.get(name, {}).get(key)
+
+
 def inert_entries() -> list[tuple[str, str, Any]]:
     """Every pass-through layer recorded, as (patch, "module:attr", layer)."""
     return [(n, k, layer) for n, layers in tuple(_inert.items()) for k, layer in layers.items()]
@@ -177,9 +190,11 @@ def drop_inert(name: str, key: str) -> None:
     layers = _inert.get(name, {})
     layers.pop(key, None)
     _inners.get(name, {}).pop(key, None)
+    _inert_homes.get(name, {}).pop(key, None)
     if not layers:
         _inert.pop(name, None)
         _inert_reasons.pop(name, None)
+        _inert_homes.pop(name, None)
         _inners.pop(name, None)
 
 

@@ -427,20 +427,20 @@ def _rank_main(rank: int, port: int, scenarios: list[Scenario], results: Any) ->
         from prime_r3.bench.vllm_setup import write_model_dir
         from prime_r3.bench.workload import BenchConfig
 
-        model_dir = write_model_dir(
-            BenchConfig(layers=4, topk=2, experts=8), tempfile.mkdtemp(prefix="prime_r3_tp_")
-        )
-        vllm_config = EngineArgs(
-            model=model_dir,
-            skip_tokenizer_init=True,
-            load_format="dummy",
-            dtype="bfloat16",
-            tensor_parallel_size=TP_SIZE,
-            distributed_executor_backend="mp",
-            max_model_len=1024,
-            max_num_seqs=8,
-            max_num_batched_tokens=256,
-        ).create_engine_config()
+        # The model directory only holds the config vLLM reads while building its
+        # config: removed right after, so the ranks leave nothing in the temp dir.
+        with tempfile.TemporaryDirectory(prefix="prime_r3_tp_") as directory:
+            vllm_config = EngineArgs(
+                model=write_model_dir(BenchConfig(layers=4, topk=2, experts=8), directory),
+                skip_tokenizer_init=True,
+                load_format="dummy",
+                dtype="bfloat16",
+                tensor_parallel_size=TP_SIZE,
+                distributed_executor_backend="mp",
+                max_model_len=1024,
+                max_num_seqs=8,
+                max_num_batched_tokens=256,
+            ).create_engine_config()
         vllm_config.aux_output_config.enable_return_routed_experts = True
         with set_current_vllm_config(vllm_config):
             parallel_state.init_distributed_environment(

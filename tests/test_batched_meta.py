@@ -8,7 +8,8 @@ the model simulated) runs the same randomised workload twice, upstream and with
 ``requests`` with its order, block hashes as bytes with their order, finished ids,
 0.33's retained/released hashes, any extra attribute) and the connector's state after
 it (sent-hash counts with their order, pending terminal events; 0.33's ``_loading``)
-must be equal, as must every finished request's rows. Workloads: new requests,
+must be equal, as must the rows of every request: finished ones whole, and those still
+in flight at the end on the rows received so far (as the bench's parity). Workloads: new requests,
 chunked prefill, decode, preemption (KV sized to overflow), prefix hits (repeated
 prompts), aborts (terminal events, some with a step in flight), routed-experts prompt
 starts inside and beyond the prompt, async scheduling's two steps in flight.
@@ -163,17 +164,64 @@ def config(seed: int) -> BenchConfig:
     )
 
 
-def run(seed: int) -> tuple[list[Any], dict[str, Any], dict[str, int]]:
-    sim = Recorder(config(seed), events_seed=seed)
+def run(
+    seed: int, recorder: type[Recorder] = Recorder
+) -> tuple[list[Any], dict[str, dict[str, Any]], dict[str, int]]:
+    """The metadata trace, the rows (SHA and count) of every request that received any,
+    finished and still in flight at the end, and what the workload went through."""
+    sim = recorder(config(seed), events_seed=seed)
     try:
         for _ in range(STEPS):
             sim.abort_some()
             sim.step()
-        digests = {r: (sha, rows) for r, (sha, _, rows) in sim.finished.items()}
+        rows = {
+            kind: {r: (sha, count) for r, (sha, _, count) in digests.items()}
+            for kind, digests in (("finished", sim.finished), ("in flight", sim.in_flight()[0]))
+        }
         seen = {"preempted": sim.preemptions, "hit_tokens": sim.prefix_hit_tokens}
-        return sim.trace, digests, seen
+        return sim.trace, rows, seen
     finally:
         sim.close()
+
+
+def assert_same_rows(expected: dict[str, Any], got: dict[str, Any], where: str) -> None:
+    """Every request's rows as upstream's: the finished ones whole, and the ones still in
+    flight at the end on the rows received so far (a preempted request recomputes and is
+    often still running when the run ends: without them its rows would go unchecked)."""
+    for kind in ("finished", "in flight"):
+        assert got[kind].keys() == expected[kind].keys(), f"{where}: {kind} requests differ"
+        differ = sorted(r for r, digest in expected[kind].items() if got[kind][r] != digest)
+        assert not differ, f"{where}: rows of {kind} request(s) {differ} differ"
+
+
+def test_a_divergence_in_a_request_still_running_at_the_end_fails(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """The comparison covers requests in flight at the end, not only finished ones.
+
+    The second run flips one routing value in the last rows a request received that is
+    still running when the run ends (as a fix that broke only, say, resumed requests
+    would): the metadata and every finished request are unchanged, and the comparison
+    must still fail, naming that request.
+    """
+    expected, expected_rows, _ = run(0)
+    target = sorted(expected_rows["in flight"])[0]
+
+    class Corrupting(Recorder):
+        def _consume(self, outputs: dict[int, Any], scheduler_output: Any) -> int:
+            for eco in outputs.values():
+                for out in eco.outputs:
+                    rows = out.routed_experts
+                    if out.request_id == target and rows is not None and len(rows):
+                        rows = np.array(rows, copy=True)
+                        rows.reshape(-1)[-1] ^= 1
+                        out.routed_experts = rows
+            return super()._consume(outputs, scheduler_output)
+
+    got, got_rows, _ = run(0, Corrupting)
+    assert got == expected and got_rows["finished"] == expected_rows["finished"]
+    with pytest.raises(AssertionError, match=rf"in flight request\(s\) \['{target}'\] differ"):
+        assert_same_rows(expected_rows, got_rows, "seed 0")
 
 
 def _first_difference(a: list[Any], b: list[Any]) -> str:
@@ -194,7 +242,7 @@ def test_metadata_and_state_equal_upstream_every_step(
     reverted: pytest.MonkeyPatch, small_batches: None
 ) -> None:
     started = time.perf_counter()
-    totals = {"preempted": 0, "hit_tokens": 0, "steps": 0}
+    totals = {"preempted": 0, "hit_tokens": 0, "steps": 0, "in_flight": 0}
     batched_meta.COUNTERS.reset()
     for seed in range(SEEDS):
         prime_r3.revert()
@@ -203,13 +251,15 @@ def test_metadata_and_state_equal_upstream_every_step(
         assert report.outcome("batched_meta").state == "applied", report.summary()
         got, got_rows, _ = run(seed)
         assert got == expected, f"seed {seed}: {_first_difference(expected, got)}"
-        assert got_rows == expected_rows, f"seed {seed}: finished rows differ"
+        assert_same_rows(expected_rows, got_rows, f"seed {seed}")
         totals["preempted"] += seen["preempted"]
         totals["hit_tokens"] += seen["hit_tokens"]
         totals["steps"] += len(got)
+        totals["in_flight"] += len(got_rows["in flight"])
     counts = batched_meta.COUNTERS.snapshot()
     # The paths that matter were exercised, and the fast path did the common case.
     assert totals["preempted"] > 0 and totals["hit_tokens"] > 0, totals
+    assert totals["in_flight"] > 0, totals  # unfinished requests' rows were compared
     assert counts["fast_requests"] > counts["fallback_requests"] > 0, counts
     assert {"new", "hashes"} <= counts["fallback_reasons"].keys(), counts
     print(f"\n{RELEASE}: {SEEDS} seeds, {totals['steps']} steps, {counts}, {totals}")
@@ -480,5 +530,5 @@ def test_with_packed_outputs_stacked_under_it(
         assert marks == [[(READS_MARK, FORMAT_VERSION)]] * len(got)
         unmarked = [(*step[:8], [], *step[9:]) for step in got]
         assert unmarked == expected, f"seed {seed}: {_first_difference(expected, unmarked)}"
-        assert got_rows == expected_rows, f"seed {seed}: finished rows differ"
+        assert_same_rows(expected_rows, got_rows, f"seed {seed}")
     assert batched_meta.COUNTERS.snapshot()["fast_requests"] > 0

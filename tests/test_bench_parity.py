@@ -155,3 +155,17 @@ def test_row_printer_gives_an_empty_chunk_no_prints(dtype: type) -> None:
     assert len(whole) == 4 and len(set(whole.tolist())) == 4
     chunks = [printer(rows[:2]), empty, printer(rows[2:])]
     assert np.array_equal(np.concatenate(chunks), whole)
+
+
+def test_fast_path_section_shows_packed_outputs_handshake(
+    results: dict, applicable: tuple[str, ...]
+) -> None:
+    """packed_outputs' handshake counts (steps EngineCore declared it reads the packed
+    form, steps withheld by reason) appear beside the batched patches' counts."""
+    assert "packed_outputs" in applicable  # every supported release takes it
+    handshake = results["r3_prime"]["handshake"]
+    assert handshake == {"declared_steps": SMALL.steps, "withheld_steps": 0, "withheld_reasons": {}}
+    assert results["r3_upstream"]["handshake"] is None  # nothing counted where it is off
+    lines = command._fast_path_lines(results).splitlines()
+    line = f"  r3_prime packed_outputs: {SMALL.steps} steps declared packed / 0 withheld"
+    assert f"{line} (none withheld)" in lines, lines

@@ -184,6 +184,12 @@ def test_a_layer_under_a_foreign_one_becomes_a_pass_through(world, caplog, calli
 
     fake_upstream.Store.put = ours  # they leave, putting back what they found
     assert _put(1) == 2  # still a pass-through, until prime_r3 is asked again
+    # status reports what apply would find (it removes the pass-through first), and
+    # changes nothing. Before: it still said a layer not prime_r3's sat on ours.
+    now = layer.status().outcome("spanning")
+    assert now.state == layer.SKIPPED and "sits on ours" not in now.reason, now
+    assert now.reason.startswith(f"target {STEP} is not upstream's plain object")
+    assert _live() is ours and state.inert_layers("spanning") == {PUT: ours}
     assert layer.revert().outcome("spanning").state == layer.REVERTED
     assert _live() is world.original and not state.is_inert(ours)
     assert state.inert_layers("spanning") == {} and state.inert_reason("spanning") is None
@@ -498,3 +504,74 @@ def _made_for_a_pass_through(obj: object) -> bool:
     return isinstance(obj, dict) and any(
         _made_for_a_pass_through(v) for v in list(obj.values()) if isinstance(v, types.FunctionType)
     )
+
+
+@pytest.mark.parametrize("how", ["reload", "reimport", "removed"])
+def test_a_pass_through_in_a_module_that_was_replaced_is_not_reported(
+    world,
+    caplog,
+    how,  # noqa: ANN001
+) -> None:
+    """``consume``'s pass-through stays under another layer after the rollback; then its
+    module is reloaded (``importlib.reload``: same module object, new functions), or
+    re-imported as a new module object, or removed from ``sys.modules``. Neither it nor
+    the other layer is in the module now in use, so status, apply and revert must not
+    report it there. Before: the record stayed for the life of the process (status and
+    apply said skipped, revert kept), the sweep comparing the fresh function with the
+    original saved from the old module. The records hold the old module only weakly."""
+    import importlib
+    import sys
+    import weakref
+
+    consume = Target(
+        CONSUMER,
+        "consume",
+        _file_fp("fake_lazy_consumer.py", "consume"),
+        lambda params: lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs) + 7,
+    )
+    step = _spanning(Calling.PLAIN).targets[1]
+    world.set(_spec("spanning", consume, step))
+    _wrap_step_on_import()
+    assert layer.apply().outcome("spanning").state == layer.PENDING
+    from tests import fake_lazy_consumer as consumer
+
+    ours = consumer.consume
+    consumer.consume = theirs = fake_layers.with_wrapt(ours)
+    mod = _import_lazy(caplog)
+    assert consumer.consume(1) == 10 and mod.step(1) == 2
+    assert state.inert_layers("spanning") == {CONSUME: ours}
+    held = layer.status().outcome("spanning")
+    assert f"at {CONSUME} a layer that is not prime_r3's sits on ours" in held.reason
+
+    old = weakref.ref(consumer)
+    if how == "reload":
+        consumer = importlib.reload(consumer)
+        assert consumer is old() and consumer.consume is not theirs
+    else:
+        sys.modules.pop(CONSUMER)  # the consumer only: the wrapped step stays imported
+        delattr(sys.modules["tests"], CONSUMER.rsplit(".", 1)[1])
+        if how == "reimport":
+            from tests import fake_lazy_consumer as consumer
+
+            assert consumer is not old()
+        else:
+            del consumer
+    assert theirs(1) == 10  # whoever still holds the old layers: a pass-through, exactly
+
+    now = layer.status().outcome("spanning")
+    assert now.state == layer.SKIPPED and "sits on ours" not in now.reason, now
+    if how != "removed":  # as apply would find it: consume fine, step wrapped by another
+        assert now.reason.startswith(f"target {STEP} is not upstream's plain object"), now
+    assert state.inert_layers("spanning") == {CONSUME: ours}  # status changed nothing
+    if how == "reload":
+        assert layer.apply().outcome("spanning") == now  # the stale record is dropped
+        assert state.inert_layers("spanning") == {}
+        assert layer.revert().outcome("spanning").state == layer.NOT_ACTIVE
+    else:
+        assert layer.revert().outcome("spanning").state == layer.REVERTED
+        assert state.inert_layers("spanning") == {}
+        del theirs, ours
+        gc.collect()
+        assert old() is None  # the old module was freed: no record of ours kept it
+    if how != "removed":
+        assert consumer.consume(1) == 10 and state.unwrap_ours(consumer.consume) is not None

@@ -7,9 +7,11 @@ same way). On every release the patched store must match the real upstream class
 by op on the seeded sequences of tests/store_harness.py: puts with duplicate keys,
 retains, releases, evictions, overflow errors (0.31/0.32; 0.33 grows instead),
 over-release ``KeyError``s, gets of missing keys, and after ``close`` the closed-store
-errors, directly and through vLLM's writer thread. On 0.31/0.32 also stacked with
-store_eviction, store_headroom (same target) and store_growth (whose growth makes a
-new, shared, arena).
+errors. On 0.31/0.32 also stacked with store_eviction, store_headroom (same target) and
+store_growth (whose growth makes a new, shared, arena). Through vLLM's writer thread
+(``BackgroundBlockObjectStore``) it is compared with upstream by
+tests/test_store_parity.py::test_background_writer_matches_upstream, with every other
+store patch; this file keeps what is store_arena's own: the mapping.
 """
 
 from __future__ import annotations
@@ -25,8 +27,6 @@ from prime_r3 import layer
 from prime_r3.fixes import store_arena
 from tests.store_harness import (
     Op,
-    Sequence,
-    assert_same_state,
     installed_release,
     key_to_slot,
     run_sequence,
@@ -183,47 +183,6 @@ def test_slots_and_closed_store_errors_match_upstream(reverted: pytest.MonkeyPat
         expected, got = op.run(reference), op.run(patched)
         assert expected == ("error", ("RuntimeError", "auxiliary output store is closed"))
         assert got == expected
-
-
-def test_through_the_writer_thread_matches_upstream(reverted: pytest.MonkeyPatch) -> None:
-    """Puts on vLLM's writer thread (``BackgroundBlockObjectStore``) into a store_arena
-    store, gets from the main thread, vs upstream's store op by op; the first writer
-    error (no room on 0.31/0.32) must surface as upstream's, with its cause."""
-    prime_r3.apply(names=["store_arena"], log=False)
-    ops = failures = 0
-    for seed in range(30):
-        seq = Sequence(seed, allow_bad_release=False, retain_rate=0.3)
-        reference = upstream_store(seq.max_bytes, seq.object_nbytes)
-        inner = store_mod.BlockObjectStore(max_bytes=seq.max_bytes, object_nbytes=seq.object_nbytes)
-        assert mapping_of(inner._arena) == "rw-p"
-        background = store_mod.BackgroundBlockObjectStore(inner, max_pending_batches=4)
-        failed = False
-        try:
-            for index in range(NUM_OPS):
-                where = f"seed={seed} op={index}"
-                op = seq.next_op(reference)
-                expected, got = op.run(reference), op.run(background)
-                ops += 1
-                if expected[0] == "error" and op.kind == "put":
-                    with pytest.raises(store_mod.BlockObjectStoreError) as caught:
-                        background.get_concatenated([])  # joins the writer's queue
-                    cause = caught.value.__cause__
-                    assert (type(cause).__name__, str(cause)) == expected[1], where
-                    failures += 1
-                    failed = True
-                    break
-                assert got == expected, f"{where}: upstream {expected}, writer {got}"
-            if not failed:
-                background.get_concatenated([])
-            assert_same_state(reference, inner, f"seed={seed} end")
-        finally:
-            if failed:  # close() re-raises the writer error checked above
-                with pytest.raises(store_mod.BlockObjectStoreError):
-                    background.close()
-            else:
-                background.close()
-    assert ops > 2000
-    assert failures or store_fixed_upstream()  # 0.31/0.32: the no-room path was reached
 
 
 def test_a_kernel_that_refuses_the_advice_keeps_upstreams_arena(

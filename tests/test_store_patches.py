@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import pathlib
 from typing import Any
 
 import pytest
@@ -344,14 +345,31 @@ OUTPUT_RANK, OTHER_RANK = 0, 1
 
 
 @pytest.fixture(scope="module")
-def tp_ranks() -> dict[tuple[str, int], Built]:
+def tp_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The temp dir the TP ranks get (``TMPDIR``: spawned ranks inherit it)."""
+    return tmp_path_factory.mktemp("tp_ranks_tmp")
+
+
+@pytest.fixture(scope="module")
+def tp_ranks(tp_tmpdir: pathlib.Path) -> dict[tuple[str, int], Built]:
     """Every scenario, built once on each rank of a real TP=2 world (about a minute)."""
-    built = build_on_tp_ranks(SCENARIOS)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TMPDIR", str(tp_tmpdir))
+        built = build_on_tp_ranks(SCENARIOS)
     assert set(built) == {(s.name, r) for s in SCENARIOS for r in (OUTPUT_RANK, OTHER_RANK)}
     for (_, rank), result in built.items():
         # vLLM's own parallel state decides the output rank: TP rank 0 only.
         assert result.is_first_rank == (rank == OUTPUT_RANK)
     return built
+
+
+def test_tp_ranks_leave_no_model_directory_behind(
+    tp_ranks: dict[tuple[str, int], Built], tp_tmpdir: pathlib.Path
+) -> None:
+    """Each rank builds its vLLM config from a temporary model directory; they stayed in
+    /tmp (``prime_r3_tp_*``, two per run of this module)."""
+    assert tp_ranks
+    assert sorted(tp_tmpdir.glob("prime_r3_tp_*")) == []
 
 
 def _expect_patches(result: Built, names: tuple[str, ...]) -> bool:

@@ -206,13 +206,17 @@ def main(args: argparse.Namespace) -> int:
     header = _patch_header(version, applies, skipped)
     print(header, file=sys.stderr)
     repeats = max(args.repeat, 1)
+    orders = arm_orders(arms, repeats)
     progress = Progress(repeats * len(arms) * cfg.total_steps, sys.stderr)
+    rounds = []
     try:
-        # Round-robin repeats, so slow drift in other load on the box hits every arm alike.
-        rounds = [
-            arms_mod.run_arms(arms, cfg, lambda arm, n: progress.update(arm.name, n))
-            for _ in range(repeats)
-        ]
+        # Round-robin repeats, so slow drift in other load on the box hits every arm alike,
+        # each round in another order (see arm_orders).
+        for number, order in enumerate(orders, 1):
+            if repeats > 1:
+                print(f"prime-r3 bench: {_order_line(number, order)}", file=sys.stderr)
+            res = arms_mod.run_arms(order, cfg, lambda arm, n: progress.update(arm.name, n))
+            rounds.append({arm.name: res[arm.name] for arm in arms if arm.name in res})
     finally:
         progress.close()
     results = rounds[0]
@@ -235,12 +239,20 @@ def main(args: argparse.Namespace) -> int:
     print(header, file=out)
     print(report.table(summaries), file=out)
     print(_parity_line(parity_note), file=out)
+    if repeats > 1:
+        print("arm order per round:", file=out)
+        for number, order in enumerate(orders, 1):
+            print(f"  {_order_line(number, order)}", file=out)
     fast_path = _fast_path_lines(results)
     if fast_path:
         print(fast_path, file=out)
     if args.json:
         text = report.to_json(
-            cfg, summaries, parity_note, {"vllm": version, "applied": applies, "skipped": skipped}
+            cfg,
+            summaries,
+            parity_note,
+            {"vllm": version, "applied": applies, "skipped": skipped},
+            [[arm.name for arm in order] for order in orders],
         )
         if args.json == "-":
             print(text)
@@ -252,10 +264,39 @@ def main(args: argparse.Namespace) -> int:
     return status
 
 
+def arm_orders(arms: Sequence[arms_mod.Arm], repeats: int) -> list[list[arms_mod.Arm]]:
+    """The order the arms run in, per round: round ``k`` starts ``k`` arms further on.
+
+    Why: with one fixed order the last arm of every round ran ~12% slow in every column,
+    sched and transp too, which most per-patch arms do not touch: a position effect, not
+    the patch's. Rotating puts each arm at another position in each round (with at least
+    as many arms as rounds, never twice at the same one), so the per-arm medians over
+    rounds no longer charge one arm with the position. The baselines (r3_off,
+    r3_upstream, r3_prime) rotate with the rest. Deterministic, so a run can be repeated
+    as it was; the report prints the order each round used.
+    """
+    arms = list(arms)
+    if not arms:
+        return [[] for _ in range(repeats)]
+    return [arms[k % len(arms) :] + arms[: k % len(arms)] for k in range(repeats)]
+
+
+def _order_line(number: int, order: Sequence[arms_mod.Arm]) -> str:
+    return f"round {number}: " + ", ".join(arm.name for arm in order)
+
+
 def _fast_path_lines(results: dict[str, dict[str, Any]]) -> str:
-    """Per arm and counting patch: requests its fast path took vs upstream's code (window)."""
+    """Per arm and counting patch: requests its fast path took vs upstream's code, and
+    packed_outputs' handshake (steps sent packed vs withheld, by reason), in the window."""
     lines = []
     for arm, result in results.items():
+        if c := result.get("handshake"):
+            # Withheld steps go per request (upstream's form): the packed path's fallback.
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(c["withheld_reasons"].items()) if v)
+            lines.append(
+                f"  {arm} packed_outputs: {c['declared_steps']} steps declared packed / "
+                f"{c['withheld_steps']} withheld ({reasons or 'none withheld'})"
+            )
         for patch, c in (result.get("fast_path") or {}).items():
             reasons = ", ".join(f"{k} {v}" for k, v in sorted(c["fallback_reasons"].items()) if v)
             lines.append(

@@ -339,6 +339,7 @@ def run(
             "in_flight": in_flight,
             "flags": sim.finished_flags | in_flight_flags,
             "fast_path": _fast_path_counters(),
+            "handshake": _handshake_counters(),
         }
     finally:
         sim.close()
@@ -360,9 +361,29 @@ def _counted_modules() -> list[Any]:
     ]
 
 
+def _handshake_module() -> Any:
+    """packed_outputs' module, if this arm imported it (i.e. applied it)."""
+    import sys
+
+    return sys.modules.get("prime_r3.fixes.packed_outputs")
+
+
 def _reset_fast_path_counters() -> None:
     for _, module in _counted_modules():
         module.COUNTERS.reset()
+    if (module := _handshake_module()) is not None:
+        module.COUNTERS.reset()
+
+
+def _handshake_counters() -> dict[str, Any] | None:
+    """packed_outputs' handshake over the measured window: steps EngineCore declared it
+    reads the packed form, and steps withheld (sent per request, as upstream) by reason.
+    None where packed_outputs did not run or counted nothing."""
+    module = _handshake_module()
+    if module is None:
+        return None
+    counts = module.COUNTERS.snapshot()
+    return counts if counts["declared_steps"] or counts["withheld_steps"] else None
 
 
 def _fast_path_counters() -> dict[str, Any]:

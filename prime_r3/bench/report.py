@@ -136,9 +136,17 @@ def to_json(
     summaries: dict[str, Any],
     parity: dict[str, Any],
     patches: dict[str, Any] | None = None,
+    orders: list[list[str]] | None = None,
 ) -> str:
-    """The run as JSON; ``patches`` names the vLLM release and what applied there."""
-    document = {"config": cfg.to_dict(), "patches": patches, "arms": summaries, "parity": parity}
+    """The run as JSON; ``patches`` names the vLLM release and what applied there,
+    ``orders`` the arm names in the order each round ran them."""
+    document = {
+        "config": cfg.to_dict(),
+        "patches": patches,
+        "arms": summaries,
+        "parity": parity,
+        "arm_order_per_round": orders,
+    }
     return json.dumps(document, indent=2)
 
 

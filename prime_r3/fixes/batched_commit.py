@@ -582,30 +582,6 @@ def _packed(
         out_rows = _rows_at(rows, fast_rows)
         if not out_rows.flags.c_contiguous:
             out_rows = np.ascontiguousarray(out_rows)
-    elif not direct:
-        # Fast rows, then upstream's materialised outputs (a prefix hit's prompt rows
-        # from the store, a rewind's buffer copy): the same arrays as the merge below
-        # builds, in a constant number of operations.
-        k, m = len(fast), len(materialised)
-        first, last = fast[0], fast[-1]
-        if last - first + 1 == k:
-            fast_ids = ids[first : last + 1]
-            fast_starts = token_starts[first : last + 1]
-        else:
-            fast_ids = _pick(ids, fast)
-            fast_starts = token_starts[fast]
-        out_ids = [*fast_ids, *[request_id for request_id, _ in materialised]]
-        extra_rows = [output.rows for _, output in materialised]
-        out_starts = np.empty(k + m, dtype=np.int64)
-        out_starts[:k] = fast_starts
-        out_starts[k:] = [int(output.token_start) for _, output in materialised]
-        offsets = np.empty(k + m + 1, dtype=np.int64)
-        offsets[: k + 1] = np.arange(k + 1, dtype=np.int64)
-        np.cumsum([len(extra) for extra in extra_rows], out=offsets[k + 1 :])
-        offsets[k + 1 :] += k
-        out_rows = np.concatenate(
-            [_rows_at(rows, fast_rows), *extra_rows], axis=0, dtype=rows.dtype, casting="no"
-        )
     else:
         # Merge the fast rows with upstream's direct outputs by batch position, then
         # upstream's materialised ones: the order upstream's dict has.

@@ -228,9 +228,7 @@ def _consumer_of(connector: Any, frame: Any) -> tuple[Any, str, Any]:
                 if scheduler is None:
                     try:
                         holds = vars(owner).get("aux_output_connector") is connector
-                    except TypeError:  # no __dict__
-                        holds = False
-                    except Exception:  # e.g. a dead weakref.proxy: no scheduler
+                    except Exception:  # no __dict__ (TypeError), a dead weakref.proxy, ...
                         holds = False
                     if holds or inspect.getattr_static(owner, "update_from_output", None):
                         scheduler = owner

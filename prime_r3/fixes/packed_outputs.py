@@ -356,9 +356,12 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
     # (take_output as the connector's class holds it, whether that is upstream's, bare
     # or under our wrappers): batched_take's wrapper is not upstream's function, and
     # finding what lies under it costs microseconds, so that is done when it changes.
+    # The answer depends on that object alone while it is there (our wrappers stay
+    # recorded while installed), as _vllm_method's verification relies on too.
     take_verdict: tuple[Any, bool] = (_UNSEEN, False)
     # (connector, engine, engine method name, scheduler, hops, code, check of the
-    # method), weakly: a step then checks by identity only.
+    # method); the connector, engine and scheduler weakly: a step then checks by
+    # identity only.
     owner_of: tuple[Any, Any, str, Any, int, Any, Any] | None = None
 
     def class_takes_like_upstream(cls: type) -> bool:

@@ -607,3 +607,152 @@ def test_a_caller_whose_first_argument_cannot_be_inspected_does_not_break_the_st
     _reset_counters()
     assert getattr(driver(dead), READS_MARK) == FORMAT_VERSION
     assert packed_outputs.COUNTERS.snapshot()["declared_steps"] == 1
+
+
+@pytest.mark.parametrize("consumer", ["scheduler", "engine"])
+def test_a_subclass_holding_the_function_a_layer_replaced_is_withheld(
+    consumer: str, reverted: pytest.MonkeyPatch
+) -> None:
+    """One check judges the engine's step method and the scheduler's
+    ``update_from_output``: the object's class must resolve the name to the function
+    vLLM's class holds *now*, verified as upstream's. A subclass holding upstream's
+    function itself in its own dict (``update_from_output = Scheduler.update_from_output``)
+    is declared; once another layer replaces vLLM's class attribute, it is withheld from
+    the next step on, as it is when the layer came before the first step: the answer does
+    not depend on whether a step was verified before the layer came. Restored, declared
+    again. Failed before for ``scheduler``: its per-step fast path compared with the
+    function verified at the first step and kept declaring (the engine's check read the
+    class attribute at each step, so ``engine`` passed before and fails on a merge that
+    gives both the scheduler's former fast path)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    from prime_r3.fixes import packed_outputs
+    from prime_r3.packed import PackedAuxOutputs
+
+    owner, name, reason = {
+        "scheduler": (Scheduler, "update_from_output", "update_from_output"),
+        "engine": (EngineCore, "step", "engine_step"),
+    }[consumer]
+    original = owner.__dict__[name]
+
+    @functools.wraps(original)
+    def layered(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return original(self, *args, **kwargs)
+
+    scheduler = _fresh_scheduler()
+    if consumer == "scheduler":
+        scheduler.__class__ = type("Holding", (type(scheduler),), {name: original})
+        engine = _engine(EngineCore, scheduler)
+    else:
+        engine = _engine(type("Holding", (EngineCore,), {name: original}), scheduler)
+    prime_r3.apply(["packed_outputs"], log=False)
+    _reset_counters()
+    assert _engine_step(engine, "step") is PackedAuxOutputs  # its function is upstream's
+    reverted.setattr(owner, name, layered)
+    assert _engine_step(engine, "step") is dict
+    assert _engine_step(engine, "step") is dict
+    reverted.setattr(owner, name, original)
+    assert _engine_step(engine, "step") is PackedAuxOutputs
+    counts = packed_outputs.COUNTERS.snapshot()
+    assert counts["declared_steps"] == 2 and counts["withheld_reasons"] == {reason: 2}, counts
+    # The layer in place before any step of a fresh declaration: the same answer.
+    prime_r3.revert()
+    reverted.setattr(owner, name, layered)
+    prime_r3.apply(["packed_outputs"], log=False)
+    _reset_counters()
+    assert _engine_step(engine, "step") is dict
+    assert packed_outputs.COUNTERS.snapshot()["withheld_reasons"] == {reason: 1}
+
+
+@pytest.mark.parametrize("first", ["step", "step_with_batch_queue"])
+def test_a_loop_driving_both_step_methods_is_judged_by_the_one_on_the_path(
+    first: str, reverted: pytest.MonkeyPatch
+) -> None:
+    """vLLM fixes ``step_fn`` once, but a custom loop may drive both step methods of an
+    engine whose class overrides only ``step_with_batch_queue`` (the override then runs
+    vLLM's own code through ``super()``): a step built from vLLM's ``step`` is declared,
+    one built from the override is withheld, whichever ran first. The engine is found on
+    the stack once per switch of method, not once per step (failed before: the method
+    found at the first search was cached and judged every later step, so the override's
+    steps were declared after a first ``step``, or ``step``'s withheld after a first
+    ``step_with_batch_queue``)."""
+    from vllm.v1.engine.core import EngineCore
+
+    from prime_r3.fixes import packed_outputs
+    from prime_r3.packed import PackedAuxOutputs
+
+    engine = _engine(_overriding_step(EngineCore, "step_with_batch_queue"), _fresh_scheduler())
+    prime_r3.apply(["packed_outputs"], log=False)
+    _reset_counters()
+    searches: list[Any] = []
+    search = packed_outputs._consumer_of
+
+    def counted(connector: Any, frame: Any) -> Any:
+        searches.append(search(connector, frame))
+        return searches[-1]
+
+    reverted.setattr(packed_outputs, "_consumer_of", counted)
+    other = "step_with_batch_queue" if first == "step" else "step"
+    expected = {"step": PackedAuxOutputs, "step_with_batch_queue": dict}
+    order = [first, first, other, other, first]
+    assert [_engine_step(engine, m) for m in order] == [expected[m] for m in order]
+    counts = packed_outputs.COUNTERS.snapshot()
+    withheld = order.count("step_with_batch_queue")
+    assert counts["declared_steps"] == len(order) - withheld, counts
+    assert counts["withheld_reasons"] == {"engine_step": withheld}, counts
+    assert [s[1] for s in searches] == [first, other, first]  # once per switch
+    assert all(s[0] is engine for s in searches)
+
+
+def test_batched_takes_wrapper_is_unwrapped_once_not_per_step(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """With ``batched_take`` in force the connector's ``take_output`` is our wrapper, not
+    upstream's function, so the declaration finds what lies under it: once per class
+    attribute, not at every step (failed before: ``unwrap_ours`` and ``getattr_static``
+    ran on every step, ~4 us of the ~4.5 us the declaration cost per step). A foreign
+    layer put on top afterwards is still seen at the next step, and its removal too."""
+    import inspect
+    import sys
+
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+    from vllm.v1.engine.core import EngineCore
+
+    from prime_r3 import state
+    from prime_r3.fixes import packed_outputs
+    from prime_r3.packed import PackedAuxOutputs
+
+    engine = _engine(EngineCore, _fresh_scheduler())
+    for name in ("packed_outputs", "batched_take"):
+        assert prime_r3.apply([name], log=False).outcome(name).state == "applied"
+    ours = AuxOutputSchedulerConnector.__dict__["take_output"]
+    assert state.is_object_patched(ours)
+    _reset_counters()
+    assert _engine_step(engine, "step") is PackedAuxOutputs
+    walks: list[str] = []
+    unwrap = state.unwrap_ours
+
+    def counted(obj: Any) -> Any:
+        walks.append(sys._getframe(1).f_code.co_filename)
+        return unwrap(obj)
+
+    reverted.setattr(state, "unwrap_ours", counted)
+    for _ in range(3):
+        assert _engine_step(engine, "step") is PackedAuxOutputs
+    assert inspect.getsourcefile(packed_outputs) not in walks, walks
+    assert packed_outputs.COUNTERS.snapshot()["declared_steps"] == 4
+
+    @functools.wraps(ours)
+    def foreign(self: Any, request: Any, output: Any) -> Any:
+        return ours(self, request, output)
+
+    # Put back by hand (not monkeypatch, which would undo after the fixture's revert and
+    # so reinstall our wrapper behind prime_r3's back).
+    AuxOutputSchedulerConnector.take_output = foreign
+    try:
+        assert _engine_step(engine, "step") is dict
+    finally:
+        AuxOutputSchedulerConnector.take_output = ours
+    assert _engine_step(engine, "step") is PackedAuxOutputs
+    assert packed_outputs.COUNTERS.snapshot()["withheld_reasons"] == {"take_output": 1}

@@ -33,9 +33,14 @@ its own ``update_from_output``. With no EngineCore on the stack (the connector d
 by a loop of its own: the bench's simulator, tests) the scheduler found on the stack is
 judged, and a direct call with neither by ``take_output`` alone; failing closed there
 would also withhold from those drivers, whose consumer is the scheduler they call.
+The engine's step method and the scheduler's ``update_from_output`` are judged by one
+check (``_vllm_method``) against the function vLLM's class holds at that step.
 Withheld steps are counted (``COUNTERS``) and logged once per class. The engine (or
-scheduler) is found once per connector on the caller stack (vLLM gives the connector no
-reference to it) and kept weakly; each step then costs a few identity checks. The worker
+scheduler) is found on the caller stack (vLLM gives the connector no reference to it)
+once per connector, and again only when the frame it was found in runs other code (a
+loop driving both of an engine's step methods), and kept weakly; each step then costs
+one frame read and a few identity checks (what lies under batched_take's wrapper of
+``take_output`` is found once per class attribute, not per step). The worker
 packs only when the metadata of its current step (what ``begin_step`` stored) carries
 the version it writes; otherwise the step goes as upstream's dict. So an EngineCore
 where this patch did not apply (changed anchor, ``PRIME_R3=0``, other
@@ -77,7 +82,7 @@ import logging
 import sys
 import weakref
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prime_r3 import state as prime_state
@@ -178,8 +183,8 @@ def _warn_once(reason: str, cls: type, message: str) -> None:
         logger.warning("prime_r3 packed_outputs: %s", message)
 
 
-def _consumer_of(connector: Any, frame: Any) -> tuple[Any, str, Any]:
-    """Who will consume this step's output: ``(engine, method, scheduler)``.
+def _consumer_of(connector: Any, frame: Any) -> tuple[Any, str, Any, int, Any]:
+    """Who will consume this step's output: ``(engine, method, scheduler, hops, code)``.
 
     ``engine`` is the nearest caller whose first argument is an instance of vLLM's
     ``EngineCore`` (its ``step`` or ``step_with_batch_queue`` calls
@@ -189,24 +194,27 @@ def _consumer_of(connector: Any, frame: Any) -> tuple[Any, str, Any]:
     its own: no vLLM step method, so the step is withheld); then ``scheduler`` is None:
     the engine's own ``scheduler`` attribute is what consumes the step, not the nearest
     scheduler frame (a delegating scheduler's inner ``Scheduler`` builds the step, the
-    outer one consumes it). With no engine on the stack (a driver of its own, the
-    bench's simulator, tests) ``scheduler`` is the nearest caller whose first argument
-    holds ``connector`` as its ``aux_output_connector`` (vLLM's ``Scheduler.schedule``)
-    or has an ``update_from_output``; both None when neither is on the stack (a direct
-    call).
+    outer one consumes it). ``hops`` (callers above ``frame``) and ``code`` say where
+    the engine's frame is and what it runs, so that a later step can check with one
+    frame read that it is built from the same method (``consumer_withholds``). With no
+    engine on the stack (a driver of its own, the bench's simulator, tests)
+    ``scheduler`` is the nearest caller whose first argument holds ``connector`` as its
+    ``aux_output_connector`` (vLLM's ``Scheduler.schedule``) or has an
+    ``update_from_output``; both None when neither is on the stack (a direct call);
+    ``code`` is None then.
 
     Why the stack: the connector holds no reference to its scheduler or engine (vLLM
     builds it inside ``Scheduler.__init__``), and ``Scheduler.schedule`` is its only
     caller in vLLM 0.31-0.33. The first argument is read whatever its name (a helper of
-    a custom scheduler may call it ``sched``). Searched once per connector (the caller
-    caches the result weakly).
+    a custom scheduler may call it ``sched``). Searched once per connector and engine
+    method (the caller caches the result weakly).
     """
     module = sys.modules.get(_ENGINE)
     engine_cls = getattr(module, "EngineCore", None) if module is not None else None
     if not isinstance(engine_cls, type):
         engine_cls = None
     scheduler = None
-    for _ in range(_MAX_FRAMES):
+    for hops in range(_MAX_FRAMES):
         if frame is None:
             break
         code = frame.f_code
@@ -224,7 +232,7 @@ def _consumer_of(connector: Any, frame: Any) -> tuple[Any, str, Any]:
                         getattr(module, "__file__", None)
                     ):  # not vLLM's own code (a subclass's, a function of its own)
                         name = f"<{code.co_qualname}>"
-                    return owner, name, None
+                    return owner, name, None, hops, code
                 if scheduler is None:
                     try:
                         holds = vars(owner).get("aux_output_connector") is connector
@@ -233,16 +241,64 @@ def _consumer_of(connector: Any, frame: Any) -> tuple[Any, str, Any]:
                     if holds or inspect.getattr_static(owner, "update_from_output", None):
                         scheduler = owner
         frame = frame.f_back
-    return None, "", scheduler
+    return None, "", scheduler, 0, None
 
 
-def _live_method(module: str, owner: str, name: str) -> tuple[type | None, Any]:
-    """vLLM's class ``module.owner`` (None if its module is not loaded) and the object
-    its class dict holds as ``name`` now."""
-    cls = getattr(sys.modules.get(module), owner, None)
-    if not isinstance(cls, type):
-        return None, None
-    return cls, cls.__dict__.get(name)
+#: ``_vllm_method``'s state before its first check: matches no object.
+_UNSEEN = object()
+
+
+def _vllm_method(module: str, owner: str, name: str) -> Callable[[Any], bool]:
+    """A check of whether an object runs vLLM's own ``owner.name`` (the class ``owner``
+    of ``module``): the object vLLM's class holds now is upstream's plain function,
+    perhaps under prime_r3's wrappers (``_upstream_method``), the object's class
+    resolves ``name`` through its MRO to that function, bare or under our wrappers, and
+    the object has no instance attribute ``name``.
+
+    One check for the engine's step method (``EngineCore.step`` /
+    ``step_with_batch_queue``) and the scheduler's consumer
+    (``Scheduler.update_from_output``), so both are judged alike. vLLM's class attribute
+    is read at every step: a subclass holding the function vLLM's class held when it
+    was verified is withheld once another layer replaces that class attribute, as it
+    is when the layer came before the first step; the answer does not depend on which
+    step verified what (the scheduler's former fast path kept declaring to it).
+
+    Per step: vLLM's class and its attribute compared by identity with those last
+    verified (verified again, ~30 ms, only when either is another object), then the
+    object's instance dict and its class's attribute. The state is one tuple, replaced
+    whole: a thread reads one consistent state.
+    """
+    #: (the module's ``owner`` attribute, its ``__dict__`` view or None, the object it
+    #: held as ``name``, upstream's function under that object or None).
+    state: tuple[Any, Any, Any, Any] = (_UNSEEN, None, _UNSEEN, None)
+    modules = sys.modules.get  # the interpreter's one dict of modules, read at each step
+
+    def verify(found: Any) -> Any:
+        nonlocal state
+        cls = found if isinstance(found, type) else None
+        view = cls.__dict__ if cls is not None else None
+        live = view.get(name) if view is not None else None
+        last = state
+        if found is not last[0] or live is not last[2]:
+            last = state = (found, view, live, _upstream_method(module, cls, name, live))
+        return last[3]
+
+    def runs(obj: Any) -> bool:
+        found, view, live, upstream = state
+        if (
+            getattr(modules(module), owner, None) is not found
+            or view is None
+            or view.get(name) is not live
+        ):
+            upstream = verify(getattr(modules(module), owner, None))
+        if upstream is None or name in getattr(obj, "__dict__", ()):
+            return False
+        cls = type(obj)
+        return getattr(cls, name, None) is upstream or (
+            prime_state.unwrap_ours(inspect.getattr_static(cls, name, None)) is upstream
+        )
+
+    return runs
 
 
 def _upstream_method(module: str, cls: type | None, name: str, live: Any) -> Any:
@@ -252,12 +308,12 @@ def _upstream_method(module: str, cls: type | None, name: str, live: Any) -> Any
     or another layer replaced or wrapped it.
 
     Used for ``Scheduler.update_from_output`` and ``EngineCore.step`` /
-    ``step_with_batch_queue``. Not anchors of the patch: they are checked only in
-    EngineCore, at the first step (again only if the class attribute is replaced), and
-    an anchor's fingerprint would skip the whole patch whenever a release touches those
-    long methods, though the packed step relies only on their handing the step to
-    ``take_output`` (the anchor). Another layer on one is another consumer, so then no
-    step on that path gets the declaration.
+    ``step_with_batch_queue`` (``_vllm_method``). Not anchors of the patch: they are
+    checked only in EngineCore, at the first step (again only if the class attribute is
+    replaced), and an anchor's fingerprint would skip the whole patch whenever a release
+    touches those long methods, though the packed step relies only on their handing
+    the step to ``take_output`` (the anchor). Another layer on one is another consumer,
+    so then no step on that path gets the declaration.
     """
     from prime_r3 import fingerprint, guards
 
@@ -290,119 +346,43 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
     upstream_take_output = prime_state.unwrap_ours(
         AuxOutputSchedulerConnector.__dict__["take_output"]
     )
+    connector_cls = AuxOutputSchedulerConnector
+    connector_view = connector_cls.__dict__
     counters = COUNTERS
-    # Upstream's update_from_output, verified at the first step (vLLM's scheduler
-    # module is EngineCore's, not the workers') as (the class attribute verified, the
-    # result), again only when the class attribute is another object; EngineCore's step
-    # methods likewise, by name; and (connector, engine, engine method, scheduler)
-    # weakly: a step then checks by identity only.
-    verified: tuple[Any, Any] | None = None
-    steps_verified: dict[str, tuple[Any, Any]] = {}
-    owner_of: tuple[Any, Any, str, Any] | None = None
+    # The scheduler's consumer and EngineCore's step methods, each verified at its first
+    # check (vLLM's scheduler and engine modules are EngineCore's, not the workers').
+    update_runs = _vllm_method(_SCHEDULER, "Scheduler", "update_from_output")
+    step_runs = {name: _vllm_method(_ENGINE, "EngineCore", name) for name in _ENGINE_STEPS}
+    # (take_output as the connector's class holds it, whether that is upstream's, bare
+    # or under our wrappers): batched_take's wrapper is not upstream's function, and
+    # finding what lies under it costs microseconds, so that is done when it changes.
+    # The answer depends on that object alone while it is there (our wrappers stay
+    # recorded while installed), as _vllm_method's verification relies on too.
+    take_verdict: tuple[Any, bool] = (_UNSEEN, False)
+    # (connector, engine, engine method name, scheduler, hops, code, check of the
+    # method); the connector, engine and scheduler weakly: a step then checks by
+    # identity only.
+    owner_of: tuple[Any, Any, str, Any, int, Any, Any] | None = None
 
-    def upstream_update() -> Any:
-        nonlocal verified
-        scheduler, live = _live_method(_SCHEDULER, "Scheduler", "update_from_output")
-        if verified is None or verified[0] is not live:
-            verified = (live, _upstream_method(_SCHEDULER, scheduler, "update_from_output", live))
-        return verified[1]
-
-    def upstream_step(name: str) -> Any:
-        """vLLM's own ``EngineCore.<name>`` (verified), or None: not one of the engine
-        methods that hand the step's output to the scheduler (a subclass's own method
-        calling ``schedule``), or replaced by another layer."""
-        if name not in _ENGINE_STEPS:
-            return None
-        engine, live = _live_method(_ENGINE, "EngineCore", name)
-        entry = steps_verified.get(name)
-        if entry is None or entry[0] is not live:
-            entry = steps_verified[name] = (live, _upstream_method(_ENGINE, engine, name, live))
-        return entry[1]
-
-    def reads_like_upstream(instance: Any) -> bool:
-        """Whether the live connector's consumer is upstream's take_output, bare or
-        under prime_r3's own wrappers: a registry patch that wraps it stacks on this
-        declaration, so it must read a PackedAuxOutputs as the dict it is."""
-        if "take_output" in getattr(instance, "__dict__", ()):
-            return False
-        cls = type(instance)
-        if cls.take_output is upstream_take_output:  # unwrapped: no class lookup needed
-            return True
-        found = prime_state.unwrap_ours(inspect.getattr_static(cls, "take_output", None))
-        return found is not None and found is upstream_take_output
-
-    def engine_steps_like_upstream(engine: Any, name: str) -> bool:
-        """Whether the engine building this step runs vLLM's own ``EngineCore.<name>``
-        (``step`` or ``step_with_batch_queue``, whichever called ``schedule``), inherited
-        through its class's MRO, bare or under prime_r3's wrappers, no instance
-        attribute.
-
-        Why: upstream's step hands the model output to ``self.scheduler`` and reads it
-        no other way. An ``EngineCore`` subclass (or instance) overriding the step may
-        read ``model_output.aux_output_connector_output`` before the scheduler does
-        (e.g. msgspec, which sees an unfilled step as ``{}``): its workers send
-        upstream's dict. Per step: one class attribute and one instance-dict lookup.
-        """
-        upstream = upstream_step(name)
-        if upstream is None:
-            ok = False
-        elif name in getattr(engine, "__dict__", ()):
-            ok = False
-        else:
-            cls = type(engine)
-            ok = getattr(cls, name, None) is upstream or (
-                prime_state.unwrap_ours(inspect.getattr_static(cls, name, None)) is upstream
-            )
-        if not ok:
-            cls = type(engine)
-            _warn_once(
-                "engine_step",
-                cls,
-                f"EngineCore {cls.__module__}.{cls.__qualname__} builds steps from its own "
-                f"{name} (overridden, an instance attribute, another layer or another "
-                "method than vLLM's step / step_with_batch_queue), which may read step "
-                "outputs itself; its workers send upstream's dict, not packed steps "
-                "(prime_r3.fixes.packed_outputs.COUNTERS counts the steps)",
-            )
-        return ok
-
-    def scheduler_reads_like_upstream(owner: Any) -> bool:
-        """Whether the scheduler that will receive this step's output consumes it with
-        vLLM's own ``Scheduler.update_from_output`` (inherited through its class's MRO,
-        e.g. ``AsyncScheduler``, bare or under prime_r3's wrappers, no instance
-        attribute).
-
-        Why: that is the consumer the packed and unfilled forms were verified with (it
-        hands the step to ``take_output`` and reads it no other way). A scheduler class
-        configured through ``scheduler_cls`` that overrides it may read the step itself,
-        e.g. with msgspec, which sees an unfilled step as ``{}``; it gets upstream's dict.
-        Per step: one class attribute and one instance-dict lookup.
-        """
-        upstream = verified[1] if verified is not None else upstream_update()
-        cls = type(owner)
-        if (
-            upstream is not None
-            and getattr(cls, "update_from_output", None) is upstream
-            and "update_from_output" not in getattr(owner, "__dict__", ())
-        ):
-            return True
-        upstream = upstream_update()  # Scheduler's own attribute may have been replaced
-        found = prime_state.unwrap_ours(inspect.getattr_static(cls, "update_from_output", None))
-        if (
-            upstream is not None
-            and found is upstream
-            and "update_from_output" not in getattr(owner, "__dict__", ())
-        ):
-            return True
-        _warn_once(
-            "update_from_output",
-            cls,
-            f"scheduler {cls.__module__}.{cls.__qualname__} does not consume step outputs "
-            "with vLLM's own Scheduler.update_from_output (overridden, an instance "
-            "attribute or another layer); its workers send upstream's dict, not packed "
-            "steps (prime_r3.fixes.packed_outputs.COUNTERS counts the steps)",
+    def class_takes_like_upstream(cls: type) -> bool:
+        """Whether the connector class's ``take_output`` is upstream's under prime_r3's
+        own wrappers (its bare function is checked by identity before): a registry
+        patch that wraps it stacks on this declaration, so it must read a
+        PackedAuxOutputs as the dict it is. What lies under our wrappers is found again
+        only when the class attribute is another object (batched_take's wrapper is on
+        every step's path, and the walk costs microseconds)."""
+        nonlocal take_verdict
+        # What getattr_static finds: vLLM's class holds its own take_output.
+        found = (
+            connector_view.get("take_output")
+            if cls is connector_cls
+            else inspect.getattr_static(cls, "take_output", None)
         )
-        return False
+        last = take_verdict
+        if found is not last[0]:
+            unwrapped = prime_state.unwrap_ours(found)
+            last = take_verdict = (found, found is not None and unwrapped is upstream_take_output)
+        return last[1]
 
     def consumer_withholds(instance: Any) -> str | None:
         """Why this step's consumer may not read a packed step (a ``COUNTERS`` reason),
@@ -415,10 +395,13 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
         found on the stack is judged as the consumer, and a step built with neither on
         the stack is judged by ``take_output`` alone, as its caller reads it with
         whatever it calls.
+
+        The engine found is cached with its frame's place and code: a step whose frame
+        there runs other code (a loop driving both step methods, one overridden) is
+        searched again, so it is judged by the method it is built from.
         """
         nonlocal owner_of
         engine = scheduler = None
-        name = ""
         # One read of the shared tuple: engines stepping on other threads replace it,
         # and a thread switch between reading its connector and its engine (or
         # scheduler) would judge this step by another engine's consumer.
@@ -426,27 +409,56 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
         if cached is not None and cached[0]() is instance:
             if cached[1] is not None:
                 engine = cached[1]()
-                name = cached[2]
+                try:  # the same engine method builds this step: one frame read
+                    if sys._getframe(2 + cached[4]).f_code is not cached[5]:
+                        engine = None
+                except ValueError:  # a shallower stack: another caller
+                    engine = None
+                name, runs = cached[2], cached[6]
             else:
                 scheduler = cached[3]()
         if engine is None and scheduler is None:
-            engine, name, scheduler = _consumer_of(instance, sys._getframe(2))
+            found = _consumer_of(instance, sys._getframe(2))
+            engine, name, scheduler, hops, code = found
             if engine is None and scheduler is None:
                 return None
+            runs = step_runs.get(name)  # None: not one of vLLM's step methods
             try:
                 owner_of = (
                     weakref.ref(instance),
                     None if engine is None else weakref.ref(engine),
                     name,
                     None if scheduler is None else weakref.ref(scheduler),
+                    hops,
+                    code,
+                    runs,
                 )
             except TypeError:  # not weakly referable: searched again next step
                 owner_of = None
         if engine is not None:
-            if not engine_steps_like_upstream(engine, name):
+            if runs is None or not runs(engine):
+                cls = type(engine)
+                _warn_once(
+                    "engine_step",
+                    cls,
+                    f"EngineCore {cls.__module__}.{cls.__qualname__} builds steps from its "
+                    f"own {name} (overridden, an instance attribute, another layer or "
+                    "another method than vLLM's step / step_with_batch_queue), which may "
+                    "read step outputs itself; its workers send upstream's dict, not "
+                    "packed steps (prime_r3.fixes.packed_outputs.COUNTERS counts the steps)",
+                )
                 return "engine_step"
             scheduler = getattr(engine, "scheduler", None)
-        if not scheduler_reads_like_upstream(scheduler):
+        if not update_runs(scheduler):
+            cls = type(scheduler)
+            _warn_once(
+                "update_from_output",
+                cls,
+                f"scheduler {cls.__module__}.{cls.__qualname__} does not consume step "
+                "outputs with vLLM's own Scheduler.update_from_output (overridden, an "
+                "instance attribute or another layer); its workers send upstream's dict, "
+                "not packed steps (prime_r3.fixes.packed_outputs.COUNTERS counts the steps)",
+            )
             return "update_from_output"
         return None
 
@@ -456,24 +468,28 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
         # the engine's step and its scheduler's update_from_output are upstream's: a
         # subclass or instance that overrides any may not read a PackedAuxOutputs (or
         # an unfilled one) as the dict it is, so its workers keep sending dicts.
-        if not reads_like_upstream(instance):
-            counters.withheld("take_output")
-            cls = type(instance)
+        cls = type(instance)
+        if "take_output" not in getattr(instance, "__dict__", ()) and (
+            cls.take_output is upstream_take_output or class_takes_like_upstream(cls)
+        ):
+            reason = consumer_withholds(instance)
+        else:
+            reason = "take_output"
             _warn_once(
                 "take_output",
                 cls,
                 f"scheduler connector {cls.__module__}.{cls.__qualname__} does not consume "
                 "step outputs with vLLM's own take_output; its workers send upstream's dict",
             )
-        elif (reason := consumer_withholds(instance)) is not None:
-            counters.withheld(reason)
-        else:
+        if reason is None:
             try:
                 setattr(metadata, READS_MARK, FORMAT_VERSION)  # a plain int: any worker reads it
             except AttributeError:  # a metadata object that takes no attributes
-                counters.withheld("metadata")
+                reason = "metadata"
             else:
                 counters.declared_steps += 1
+                return metadata
+        counters.withheld(reason)
         return metadata
 
     return declare_packed_reader

@@ -756,3 +756,39 @@ def test_batched_takes_wrapper_is_unwrapped_once_not_per_step(
         AuxOutputSchedulerConnector.take_output = ours
     assert _engine_step(engine, "step") is PackedAuxOutputs
     assert packed_outputs.COUNTERS.snapshot()["withheld_reasons"] == {"take_output": 1}
+
+
+def test_the_cached_engine_frame_keeps_no_code_alive(reverted: pytest.MonkeyPatch) -> None:
+    """The declaration caches where the engine's frame was and the code it ran, so a
+    later step checks with one frame read. An engine class made at run time (a plugin
+    building one per config) whose own ``step`` calls ``schedule``: withheld, and once
+    the class and its engine are gone, the cache must not keep that ``step``'s code
+    alive, as upstream keeps nothing (failed before: the code was held strongly)."""
+    import gc
+    import weakref
+
+    from vllm.v1.engine.core import EngineCore
+
+    from prime_r3.fixes import packed_outputs
+
+    namespace: dict[str, Any] = {"EngineCore": EngineCore, "_Stop": _Stop}
+    exec(  # a fresh code object, owned by this class alone
+        "class MadeEngine(EngineCore):\n"
+        "    def step(self):\n"
+        "        self.scheduler.schedule()\n"
+        "        raise _Stop\n",
+        namespace,
+    )
+    made = namespace.pop("MadeEngine")
+    code = weakref.ref(made.__dict__["step"].__code__)
+    engine = _engine(made, _fresh_scheduler())
+    prime_r3.apply(["packed_outputs"], log=False)
+    _reset_counters()
+    for _ in range(2):
+        with pytest.raises(_Stop):
+            engine.step()
+    counts = packed_outputs.COUNTERS.snapshot()
+    assert counts["withheld_reasons"] == {"engine_step": 2}, counts
+    del engine, made, namespace
+    gc.collect()
+    assert code() is None, "the handshake's cache keeps a dead engine class's step code"

@@ -360,8 +360,9 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
     # recorded while installed), as _vllm_method's verification relies on too.
     take_verdict: tuple[Any, bool] = (_UNSEEN, False)
     # (connector, engine, engine method name, scheduler, hops, code, check of the
-    # method); the connector, engine and scheduler weakly: a step then checks by
-    # identity only.
+    # method); the connector, engine, scheduler and code weakly (a dynamically made
+    # engine class's step code must not outlive its class here): a step then checks
+    # by identity only.
     owner_of: tuple[Any, Any, str, Any, int, Any, Any] | None = None
 
     def class_takes_like_upstream(cls: type) -> bool:
@@ -410,7 +411,7 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
             if cached[1] is not None:
                 engine = cached[1]()
                 try:  # the same engine method builds this step: one frame read
-                    if sys._getframe(2 + cached[4]).f_code is not cached[5]:
+                    if sys._getframe(2 + cached[4]).f_code is not cached[5]():
                         engine = None
                 except ValueError:  # a shallower stack: another caller
                     engine = None
@@ -430,7 +431,7 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
                     name,
                     None if scheduler is None else weakref.ref(scheduler),
                     hops,
-                    code,
+                    None if code is None else weakref.ref(code),
                     runs,
                 )
             except TypeError:  # not weakly referable: searched again next step

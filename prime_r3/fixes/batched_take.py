@@ -150,7 +150,10 @@ def _lookup(output: Any) -> Any:
     ``map`` over the rows (``packed._fill``'s copy without its per-request
     ``AuxRequestOutput``), which costs about half of the slice plus ``.copy()`` that
     ``take_output`` would otherwise make per call; a one-row request whose accepted
-    range is its row (``local_end == 1``) is then handed that array.
+    range is its row (``local_end == 1``) is then handed that array. A second take of
+    the same request in the same step (vLLM's scheduler takes each once) is handed the
+    same array, where upstream hands a second view of the same memory: the same bytes,
+    shared the same way.
 
     Memory: each such array owns exactly one request's row (what the slice copy
     returned), so a kept result pins that request's row only, never the step; the arrays

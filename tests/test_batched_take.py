@@ -200,6 +200,60 @@ def test_a_step_of_valid_takes_is_never_filled_and_each_result_owns_its_rows(
     }
 
 
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_one_row_requests_get_their_row_copied_once_per_step(
+    reverted: pytest.MonkeyPatch, transport: Callable[[Any], Any], kind: str
+) -> None:
+    """A request with one row whose accepted range is that row is handed an array the
+    step's first take made for it (all such rows copied at once: ``_lookup``), not a
+    slice copy per call: the same bytes as upstream, owning exactly its row. A decode
+    step (every request one row) and a mixed one (zero-row, prefill and one-row
+    requests, where the one-row rows are gathered). Other ranges of a one-row request
+    (0 rows, before its start, beyond its row) take upstream's branches as before."""
+    _apply("packed_outputs", "batched_take")
+    batched_take.COUNTERS.reset()
+    rng = np.random.default_rng(21)
+    n = 300
+    lengths = np.ones(n, np.int64) if kind == "decode" else rng.choice([0, 1, 1, 5], size=n)
+    snapshot = rng.integers(0, 256, size=(int(lengths.sum()), 46, 8), dtype=np.uint8)
+    bounds = np.concatenate(([0], np.cumsum(lengths))).tolist()
+    outputs = {
+        f"r{i}": AuxRequestOutput(100 + i, snapshot[bounds[i] : bounds[i + 1]]) for i in range(n)
+    }
+    # Accepted ranges: mostly the whole row set; some 0 rows; a few invalid ones.
+    ends = [
+        int(lengths[i]) if rng.random() < 0.8 else int(rng.integers(-1, lengths[i] + 2))
+        for i in range(n)
+    ]
+    requests = [Req(f"r{i}", 100 + i + 1 + ends[i]) for i in range(n)]
+    theirs = transport(outputs)
+    ours = transport(PackedAuxOutputs.pack(outputs))
+    take, reference = scheduler_take(), upstream_take()
+    handed = []
+    for request, end in zip(requests, ends, strict=True):
+        if not 0 <= end <= len(outputs[request.request_id].rows):
+            continue  # upstream's branches: the step gets filled, checked elsewhere
+        rows, expected = take(request, ours), reference(request, theirs)
+        assert (rows.dtype, rows.shape, rows.tobytes()) == (
+            expected.dtype,
+            expected.shape,
+            expected.tobytes(),
+        )
+        assert rows.flags.owndata and rows.flags.writeable and rows.base is None
+        assert rows.nbytes == end * 46 * 8
+        if end == 1 and len(outputs[request.request_id].rows) == 1:
+            handed.append((request.request_id, rows))
+    assert type(ours) is _Unfilled  # only valid takes: never filled
+    places = ours._index.places
+    assert handed and all(places[rid][3] is rows for rid, rows in handed)
+    ones = {f"r{i}" for i in range(n) if lengths[i] == 1}
+    assert {rid for rid, place in places.items() if place[3] is not None} == ones
+    counts = batched_take.COUNTERS.snapshot()
+    pairs = zip(requests, ends, strict=True)
+    fast = sum(0 <= e <= len(outputs[r.request_id].rows) for r, e in pairs)
+    assert counts["fast_requests"] == fast and counts["fallback_requests"] == 0, counts
+
+
 def test_real_requests_from_the_real_scheduler(
     reverted: pytest.MonkeyPatch, transport: Callable[[Any], Any]
 ) -> None:

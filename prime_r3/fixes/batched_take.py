@@ -17,7 +17,12 @@ count``, upstream's own arithmetic on the same ``request.request_id`` and
 ``rows[low:low + local_end]`` of the step: one dict get, integer arithmetic, one slice
 and one ``.copy()``. The dict (request id -> first row, token start, row count, as
 Python ints) is built once per step by C-level ``zip``s and cached on the step. The
-step is not filled.
+step is not filled. A one-row request (a decode step's) whose range is its row gets
+that row copied already: the step's first take copies every one-row request's row into
+an array of its own by one C-level ``map`` (``_lookup``), about half the cost of the
+per-call slice and ``.copy()`` (measured in the bench's engine loop, take_output
+alternating step by step with the per-call version: ``scripts/bench_sched.py
+--take-before``); the call is then one dict get, integer arithmetic and a return.
 
 Anything else goes to upstream's ``take_output`` itself (the function under ours,
 called directly), so its assertions and their messages are upstream's: a plain dict
@@ -28,7 +33,9 @@ the request's rows. On a packed step that first fallback fills it (upstream read
 as the dict it is); later requests of that step then go to upstream too.
 
 Memory: upstream returns a view of the request's own array, which keeps that whole
-array alive; ours owns exactly the rows it returns. The unfilled step holds one array
+array alive; ours owns exactly the rows it returns (a one-row request's copy made
+ahead is its own row only; those of requests that do not emit die with the step, as
+upstream's dict values do). The unfilled step holds one array
 of the step's rows (what upstream's dict holds in per-request arrays) and dies with
 the ``ModelRunnerOutput``, as upstream's dict does.
 
@@ -53,8 +60,11 @@ upstream's ``TypeError`` message.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import numpy as np
 
 from prime_r3.fixes import batched_commit
 from prime_r3.fixes.aux_output import CONNECTOR_MODULE as _CONNECTOR
@@ -81,6 +91,9 @@ class Counters(batched_commit.Counters):
 COUNTERS = Counters()
 
 
+_copy = np.ndarray.copy
+
+
 def _batched_take(params: Mapping[str, Any]) -> PlainFactory:
     from prime_r3.packed import _Unfilled  # imports vLLM: only when applying
 
@@ -96,7 +109,7 @@ def _batched_take(params: Mapping[str, Any]) -> PlainFactory:
                 return upstream(self, request, output)
             index = output._index
             if index is None:
-                index = output._lookup()
+                index = output._index = _lookup(output)
                 counters.steps += 1
                 counters.batched_steps += 1  # every packed step read is served here
             places, rows = index
@@ -108,8 +121,11 @@ def _batched_take(params: Mapping[str, Any]) -> PlainFactory:
             if place is None:
                 counters.fallback("missing")
                 return upstream(self, request, output)
-            low, start, count = place
+            low, start, count, own = place
             local_end = request.num_tokens - 1 - start
+            if own is not None and local_end == 1:  # the request's one row, already copied
+                counters.fast_requests += 1
+                return own
             if local_end < 0:
                 counters.fallback("before_start")
                 return upstream(self, request, output)
@@ -122,6 +138,46 @@ def _batched_take(params: Mapping[str, Any]) -> PlainFactory:
         return take_output
 
     return make
+
+
+def _lookup(output: Any) -> Any:
+    """The step's placement for ``take_output``: request id -> (first row, token start,
+    row count, own), Python ints, and the step's rows, as ``packed._Index``.
+
+    ``own`` is, for a request with exactly one row (a decode step's request, i.e. almost
+    every request of almost every step), that row already copied into an array of its
+    own, or None. The copies are made for all such requests at once by a C-level
+    ``map`` over the rows (``packed._fill``'s copy without its per-request
+    ``AuxRequestOutput``), which costs about half of the slice plus ``.copy()`` that
+    ``take_output`` would otherwise make per call; a one-row request whose accepted
+    range is its row (``local_end == 1``) is then handed that array. A second take of
+    the same request in the same step (vLLM's scheduler takes each once) is handed the
+    same array, where upstream hands a second view of the same memory: the same bytes,
+    shared the same way.
+
+    Memory: each such array owns exactly one request's row (what the slice copy
+    returned), so a kept result pins that request's row only, never the step; the arrays
+    of requests that do not emit this step die with the step, as upstream's dict values
+    do. The whole index lives in the unfilled step's ``_index`` slot (packed's
+    ``_lookup`` cache, which only this patch reads; ``_fill`` drops it).
+    """
+    from prime_r3.packed import _Index  # imported by then (the patch applied)
+
+    ids, _, starts, offsets, rows = output._packed
+    n = len(ids)
+    counts = offsets[1:] - offsets[:-1]
+    ones = counts == 1
+    if n and int(offsets[-1]) == n and bool(ones.all()):  # a decode step: one row each
+        own: list[Any] = list(map(_copy, rows.reshape((n, 1, *rows.shape[1:]))))
+    else:
+        own = [None] * n
+        picked = np.flatnonzero(ones)
+        if len(picked):
+            gathered = rows[offsets[picked]]  # their rows, in one gather
+            copies = map(_copy, gathered.reshape((len(picked), 1, *rows.shape[1:])))
+            deque(map(own.__setitem__, picked.tolist(), copies), maxlen=0)
+    places = zip(offsets[:-1].tolist(), starts.tolist(), counts.tolist(), own, strict=True)
+    return _Index(dict(zip(ids, places, strict=True)), rows)
 
 
 SPEC = PatchSpec(

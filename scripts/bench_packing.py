@@ -33,7 +33,13 @@ step path = issue 10's comparison at ``--step-requests`` (default 400,1000) deco
              ``Calling.PLAIN``); ``lazy wrapt`` the same body installed as a wrapt
              wrapper, to show what wrapt's per-call binding costs. Then
              ``take_output alone``: only the N calls on a lazy step whose lookup is
-             already built, plain vs wrapt alternating per step.
+             already built, plain vs wrapt alternating per step. The transport
+             there is the R3 payload pickled *alone*.
+in context = the same decode step as it really travels: ``(ResponseStatus.SUCCESS,
+             ModelRunnerOutput)`` (vLLM's constructor, the step's req_ids) through
+             vLLM's real ``MessageQueue.enqueue`` + ``dequeue`` in one process, with no
+             R3 output / upstream's dict / the packed step built in the region; R3's
+             increment = arm - none per round, median of rounds (``bench_in_context``).
 
 Times are medians over steps, in ms of the timing thread's CPU time by default
 (``--clock cpu``: robust when other processes share the cores, as wall time is not);

@@ -319,6 +319,27 @@ def test_ids_inside_the_model_runner_output_are_memo_references(n: int) -> None:
     assert len(list(pickletools.genops(pickle.dumps(outputs, protocol=5)))) > 50 * 10
 
 
+def test_batched_commit_builds_the_step_with_the_same_id_objects() -> None:
+    """``batched_commit._packed`` (the fast path's builder) keeps the step's own id
+    objects too: inside the ``ModelRunnerOutput`` no id string is written twice."""
+    from prime_r3.fixes.batched_commit import _packed
+
+    n = 300
+    snapshot = np.random.default_rng(1).integers(0, 256, size=(n, 46, 8), dtype=np.uint8)
+    ids = [f"chatcmpl-{i:06d}" for i in range(n)]
+    starts = np.arange(n, dtype=np.int64) + 100
+    built = _packed(PackedAuxOutputs, ids, starts, snapshot, list(range(n)), np.arange(n), [], [])
+    assert all(map(operator.is_, built, ids))
+    outputs = dict.fromkeys(ids)
+    data = pickle.dumps(_model_runner_output(outputs, built), protocol=5)
+    assert all(data.count(request_id.encode()) == 1 for request_id in ids)
+    received = pickle.loads(data)
+    assert all(map(operator.is_, received.aux_output_connector_output, received.req_ids))
+    for i, request_id in enumerate(ids):
+        value = received.aux_output_connector_output[request_id]
+        assert value.token_start == 100 + i and np.array_equal(value.rows, snapshot[i : i + 1])
+
+
 def test_unpacked_fallback_and_validation() -> None:
     """Content that cannot share one rows array pickles as upstream's plain dict."""
     rows = np.zeros((2, 3), np.uint8)

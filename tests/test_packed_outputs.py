@@ -340,6 +340,21 @@ def test_batched_commit_builds_the_step_with_the_same_id_objects() -> None:
         assert value.token_start == 100 + i and np.array_equal(value.rows, snapshot[i : i + 1])
 
 
+def test_a_format_1_step_with_joined_ids_is_still_read() -> None:
+    """Format-1 writers before the shared ids sent the ids joined by ``"\\x00"`` (same
+    format version, so the handshake lets them through): read as before."""
+    from prime_r3 import packed
+
+    rows = np.arange(3 * 4, dtype=np.uint16).reshape(3, 2, 2)
+    ints = np.array([5, 9, 0, 2, 3], dtype=np.int64).tobytes()  # starts, then offsets
+    step = packed._rebuild(
+        FORMAT_VERSION, 2, "a\x00b", ints, bytearray(rows.tobytes()), rows.dtype, (2, 2)
+    )
+    assert list(step) == ["a", "b"]
+    assert step["a"].token_start == 5 and np.array_equal(step["a"].rows, rows[:2])
+    assert step["b"].token_start == 9 and np.array_equal(step["b"].rows, rows[2:])
+
+
 def test_unpacked_fallback_and_validation() -> None:
     """Content that cannot share one rows array pickles as upstream's plain dict."""
     rows = np.zeros((2, 3), np.uint8)

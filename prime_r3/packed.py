@@ -6,7 +6,12 @@ one object at a time, on both halves of the step's critical path, so the cost gr
 with requests per step rather than bytes. ``PackedAuxOutputs`` is that same dict whose
 *pickled form* is one contiguous rows array plus per-request token starts and row
 offsets: three payloads (request ids, one int64 array, the rows) whatever the request
-count.
+count. The ids are pickled as a list of the very ``str`` objects the dict is keyed by:
+on the real path those are ``ModelRunnerOutput.req_ids``' own objects (the worker's
+``PendingAuxOutput.request_ids`` is ``list(input_batch.req_ids)``, and the output is
+``req_ids=input_batch.req_ids``), pickled first in the same stream, so each id goes as
+a memo reference (a few bytes) and is unpickled as the received ``req_ids``' object:
+no string built, joined, split or hashed again on either side.
 
 What every consumer sees is upstream's dict (see ``README.md``, ``packed_outputs``):
 
@@ -72,7 +77,7 @@ FORMAT_VERSION = 1
 READS_MARK = "prime_r3_packed_format"
 
 logger = logging.getLogger("vllm.prime_r3")
-_SEPARATOR = "\x00"
+_SEPARATOR = "\x00"  # format 1 writers before the shared ids joined them with it
 _token_start = operator.attrgetter("token_start")
 _rows = operator.attrgetter("rows")
 _base = operator.attrgetter("base")
@@ -114,7 +119,6 @@ class _Packed(NamedTuple):
     """A step's packed form: what the pickled payload carries."""
 
     ids: list[str]
-    joined_ids: str | None  # the ids joined by _SEPARATOR, when none contains it
     starts: np.ndarray
     offsets: np.ndarray  # request i's rows are rows[offsets[i]:offsets[i + 1]]
     rows: np.ndarray
@@ -152,7 +156,6 @@ class PackedAuxOutputs(dict[str, "AuxRequestOutput"]):
     def _trusted(
         cls,
         ids: list[str],
-        joined_ids: str | None,
         starts: np.ndarray,
         offsets: np.ndarray,
         rows: np.ndarray,
@@ -160,7 +163,7 @@ class PackedAuxOutputs(dict[str, "AuxRequestOutput"]):
         """An unfilled instance over already-packed arrays: values are built on first
         access (each request's rows copied out, owning its memory)."""
         self = dict.__new__(_Unfilled)
-        self._packed = _Packed(ids, joined_ids, starts, offsets, rows)
+        self._packed = _Packed(ids, starts, offsets, rows)
         self._step = None
         self._index = None
         return self
@@ -189,7 +192,7 @@ class PackedAuxOutputs(dict[str, "AuxRequestOutput"]):
             raise TypeError(f"rows must be a numeric array of rows, got {rows.dtype}")
         if bounds[0] != 0 or bounds[-1] != len(rows) or np.any(np.diff(bounds) < 0):
             raise ValueError("offsets must rise from 0 to the number of rows")
-        self = cls._trusted(ids, None, starts, bounds, rows)
+        self = cls._trusted(ids, starts, bounds, rows)
         self._fill()
         return self
 
@@ -235,7 +238,7 @@ class PackedAuxOutputs(dict[str, "AuxRequestOutput"]):
         """
         packed = self._packed
         assert packed is not None
-        ids, _, starts, offsets, rows = packed
+        ids, starts, offsets, rows = packed
         n = len(ids)
         if len(starts) != n or len(offsets) != n + 1:
             raise ValueError(f"packed step: {n} ids, {len(starts)} starts, {len(offsets)} offsets")
@@ -265,7 +268,7 @@ class PackedAuxOutputs(dict[str, "AuxRequestOutput"]):
         if index is None:
             packed = self._packed
             assert packed is not None, "only an unfilled instance has a packed form"
-            ids, _, starts, offsets, rows = packed
+            ids, starts, offsets, rows = packed
             bounds = offsets.tolist()
             counts = (offsets[1:] - offsets[:-1]).tolist()
             places = zip(bounds[:-1], starts.tolist(), counts, strict=True)
@@ -328,20 +331,23 @@ class PackedAuxOutputs(dict[str, "AuxRequestOutput"]):
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[Any, ...]]:
         """``FORMAT_VERSION`` then three payloads: ids, int64 starts+offsets, rows.
 
+        The ids go as a list of the dict's own key objects (see the module docstring:
+        memo references inside a ``ModelRunnerOutput``). Readers of format 1 take any
+        sequence of ids here, or the ``_SEPARATOR``-joined string older writers sent.
+
         With protocol 5 the rows go as a ``PickleBuffer``, so vLLM's MessageQueue
         sends a large step out of band without copying it into the pickle stream.
         Content that cannot be packed (a consumer stored other values) pickles as
         upstream's plain dict.
         """
         try:
-            ids, joined, starts, offsets, rows = self.packed()
+            ids, starts, offsets, rows = self.packed()
         except (TypeError, ValueError, AttributeError) as error:
             _warn_unpacked(error)
             return dict, (dict(self),)
         ints = np.concatenate((starts, offsets)).tobytes()
         payload: Any = pickle.PickleBuffer(rows) if protocol >= 5 else rows.tobytes()
-        id_field = joined if joined is not None else tuple(ids)
-        fields = (len(ids), id_field, ints, payload, rows.dtype, rows.shape[1:])
+        fields = (len(ids), ids, ints, payload, rows.dtype, rows.shape[1:])
         return _rebuild, (FORMAT_VERSION, *fields)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
@@ -352,14 +358,14 @@ def _pack(ids: list[str], values: list[Any], step: StepRows | None) -> _Packed:
     """Copy a step's rows into one array, keeping dict order.
 
     Raises ``TypeError`` / ``ValueError`` if the rows cannot share one array
-    (different dtypes or per-token shapes, non-array rows, non-str ids). The copy
+    (different dtypes or per-token shapes, non-array rows). Ids are pickled as they
+    are (a list of the keys), so any key upstream's dict could carry round-trips. The copy
     means no packed row aliases the step's snapshot or a buffer the worker reuses.
     """
     n = len(ids)
-    joined: str | None = _SEPARATOR.join(ids)  # TypeError for a non-str id
     if n == 0:
         empty = np.zeros(1, dtype=np.int64)
-        return _Packed(ids, joined, empty[:0], empty, np.empty(0, dtype=np.uint8))
+        return _Packed(ids, empty[:0], empty, np.empty(0, dtype=np.uint8))
     rows_list = list(map(_rows, values))
     first = rows_list[0]
     if type(first) is not np.ndarray or first.ndim == 0 or first.dtype.hasobject:
@@ -377,9 +383,7 @@ def _pack(ids: list[str], values: list[Any], step: StepRows | None) -> _Packed:
     if rows is None:
         # casting="no" refuses mixed dtypes; mismatched per-token shapes raise too.
         rows = np.concatenate(rows_list, axis=0, dtype=first.dtype, casting="no")
-    if joined is not None and joined.count(_SEPARATOR) != n - 1:
-        joined = None  # an id contains the separator: pickle the id list instead
-    return _Packed(ids, joined, starts, offsets, rows)
+    return _Packed(ids, starts, offsets, rows)
 
 
 _warned = False
@@ -528,17 +532,18 @@ def _rebuild(version: Any, *fields: Any) -> PackedAuxOutputs:
             "PRIME_R3_PATCHES=all,-packed_outputs on the workers"
         )
     n, ids, ints, payload, dtype, token_shape = fields
-    if isinstance(ids, str):
+    if type(ids) is list:  # this writer's form: the unpickler's own fresh list
+        id_list = ids
+    elif isinstance(ids, str):  # format 1 as written before the shared ids
         id_list = ids.split(_SEPARATOR) if n else []
-        joined: str | None = ids
     else:
-        id_list, joined = list(ids), None
+        id_list = list(ids)
     numbers = np.frombuffer(ints, dtype=np.int64)
     starts, offsets = numbers[:n], numbers[n:]
     rows = np.frombuffer(payload, dtype=np.uint8).view(dtype)
     rows = rows.reshape((int(offsets[-1]), *token_shape))
     if not _reads_lazily():
-        received = PackedAuxOutputs._trusted(id_list, joined, starts, offsets, rows)
+        received = PackedAuxOutputs._trusted(id_list, starts, offsets, rows)
         received._fill()  # copies every request's rows out of the transport buffer
         return received
     # batched_take reads the step without filling it: the step keeps its rows until
@@ -548,7 +553,7 @@ def _rebuild(version: Any, *fields: Any) -> PackedAuxOutputs:
     # slot, Ray's or zmq's read-only memory) is copied once, the whole step at a time.
     if type(payload) is not bytes and type(payload) is not bytearray:
         rows = rows.copy()
-    return PackedAuxOutputs._trusted(id_list, joined, starts, offsets, rows)
+    return PackedAuxOutputs._trusted(id_list, starts, offsets, rows)
 
 
 def _reads_lazily() -> bool:

@@ -33,7 +33,13 @@ step path = issue 10's comparison at ``--step-requests`` (default 400,1000) deco
              ``Calling.PLAIN``); ``lazy wrapt`` the same body installed as a wrapt
              wrapper, to show what wrapt's per-call binding costs. Then
              ``take_output alone``: only the N calls on a lazy step whose lookup is
-             already built, plain vs wrapt alternating per step.
+             already built, plain vs wrapt alternating per step. The transport
+             there is the R3 payload pickled *alone*.
+in context = the same decode step as it really travels: ``(ResponseStatus.SUCCESS,
+             ModelRunnerOutput)`` (vLLM's constructor, the step's req_ids) through
+             vLLM's real ``MessageQueue.enqueue`` + ``dequeue`` in one process, with no
+             R3 output / upstream's dict / the packed step built in the region; R3's
+             increment = arm - none per round, median of rounds (``bench_in_context``).
 
 Times are medians over steps, in ms of the timing thread's CPU time by default
 (``--clock cpu``: robust when other processes share the cores, as wall time is not);
@@ -49,6 +55,7 @@ import functools
 import gc
 import io
 import multiprocessing as mp
+import operator
 import os
 import pickle
 import statistics
@@ -444,6 +451,105 @@ def bench_step_path(n: int, rounds: int, steps: int, seed: int) -> Samples:
     return res
 
 
+def _response_queue() -> tuple[Any, Any]:
+    """vLLM's real worker response queue, writer and reader in this process.
+
+    ``MessageQueue(1, 1)`` is what ``WorkerProc`` builds for ``worker_response_mq``
+    (0.31-0.33: no tensor arena there); the reader attaches from its handle as
+    EngineCore's ``create_from_handle(handle, 0)`` does. Both ends in one thread: each
+    step is one ``enqueue`` then one ``dequeue``, so no time is spent waiting.
+    """
+    writer = MessageQueue(1, 1)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    writer.wait_until_ready()
+    reader.wait_until_ready()
+    return writer, reader
+
+
+def _decode_output(outputs: dict[str, Any], seed: int) -> Any:
+    """A decode step's ``ModelRunnerOutput`` by vLLM's own constructor: ``req_ids`` the
+    step's request ids (the same ``str`` objects the aux output is keyed by, as on the
+    real path: ``PendingAuxOutput.request_ids = list(input_batch.req_ids)`` and
+    ``ModelRunnerOutput.req_ids = input_batch.req_ids``), ``req_id_to_index`` as the V2
+    runner builds it, one sampled token per request (``get_output``'s lists)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    req_ids = list(outputs)
+    tokens = np.random.default_rng(seed).integers(0, 150_000, size=len(req_ids)).tolist()
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+        sampled_token_ids=[[token] for token in tokens],
+    )
+
+
+def bench_in_context(n: int, rounds: int, steps: int, seed: int) -> Samples:
+    """R3's transport increment inside the whole ``ModelRunnerOutput``, as sent.
+
+    Each step sends ``(ResponseStatus.SUCCESS, model_runner_output)`` (what
+    ``WorkerProc.enqueue_output`` enqueues) through vLLM's real ``MessageQueue.enqueue``
+    and ``dequeue`` (their own pickler, dispatch table, OOB threshold and ring copy).
+    Arms, round-robin within a step: ``none`` (``aux_output_connector_output=None``),
+    ``up`` (upstream's dict), ``packed`` (``batched_commit._packed`` building the step's
+    packed form inside the timed region, then the send; read lazily, batched_take in
+    force). The R3 increment of an arm is its median minus ``none``'s, per round.
+    Received outputs are checked untimed (every request's rows via ``take_output``).
+    """
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    import prime_r3
+    from prime_r3.fixes.batched_commit import _packed
+
+    registry, _ = _take_registries()
+    success = WorkerProc.ResponseStatus.SUCCESS
+    writer, reader = _response_queue()
+    connector = _connector()
+    arms = ("none", "up", "packed")
+    res: Samples = {f"{arm}_{part}": [] for arm in arms for part in ("enq", "deq", "all")}
+    res["packed_shared"] = []
+    _install_take(registry, registry)
+    try:
+        for _ in range(rounds):
+            per_round: Samples = {k: [] for k in res}
+            for step in range(steps):
+                for arm in arms[step % len(arms) :] + arms[: step % len(arms)]:
+                    outputs, requests, rows = fresh_step(n, "decode", seed + step)
+                    args = _packed_args(outputs, rows, n)
+                    model_output = _decode_output(outputs, seed + step)
+                    gc.disable()
+                    t0 = _clock()
+                    if arm == "up":
+                        model_output.aux_output_connector_output = outputs
+                    elif arm == "packed":
+                        model_output.aux_output_connector_output = _packed(*args)
+                    writer.enqueue((success, model_output))
+                    t1 = _clock()
+                    status, received = reader.dequeue()
+                    t2 = _clock()
+                    gc.enable()
+                    assert status == success and received.req_ids == model_output.req_ids
+                    aux = received.aux_output_connector_output
+                    if arm == "none":
+                        assert aux is None
+                    else:
+                        assert take_each(aux, requests, connector) == n
+                    if arm == "packed":
+                        # Are the received step's ids the received req_ids' objects
+                        # (pickled as memo references) or new strings?
+                        shared = all(map(operator.is_, aux, received.req_ids))
+                        per_round["packed_shared"].append(float(shared))
+                    per_round[f"{arm}_enq"].append(t1 - t0)
+                    per_round[f"{arm}_deq"].append(t2 - t1)
+                    per_round[f"{arm}_all"].append(t2 - t0)
+                    received = aux = model_output = None  # freed untimed
+            for key, values in per_round.items():
+                res[key].append(statistics.median(values))
+    finally:
+        prime_r3.revert(["batched_take"])
+        del writer, reader
+    return res
+
+
 def bench_take_only(n: int, rounds: int, steps: int, seed: int) -> Samples:
     """take_output per step alone, on a received lazy step: ``plain`` (batched_take as
     registered) vs ``wrapt`` (the same body as a wrapt wrapper), alternating per step,
@@ -556,6 +662,34 @@ def main(argv: list[str] | None = None) -> int:
                 f" {(up_tr + up_take) / total:>5.1f}x"
             )
         print(f"(building the packed form, inside prime transport: {_ms(r['fill_build']):.3f} ms)")
+        isolated = up_tr / _ms(r["lazy_tr"])
+        c = bench_in_context(n, args.rounds, args.steps, args.seed)
+        print(
+            f"in context at {n} decode requests: (SUCCESS, ModelRunnerOutput) through vLLM's real"
+            f" MessageQueue.enqueue + dequeue (one process), medians of {args.rounds} rounds x"
+            f" {args.steps} steps; R3 increment = arm - none (per round):"
+        )
+        print(f"{'arm':<44} {'enqueue':>9} {'dequeue':>9} {'total':>7} {'R3 incr':>8} {'vs up':>6}")
+        increments = {
+            arm: _ms([a - b for a, b in zip(c[f"{arm}_all"], c["none_all"], strict=True)])
+            for arm in ("up", "packed")
+        }
+        for label, arm in (
+            ("no R3 output (aux None)", "none"),
+            ("upstream dict", "up"),
+            ("prime packed (built in the region) + lazy", "packed"),
+        ):
+            line = f"{label:<44} {_ms(c[f'{arm}_enq']):>9.3f} {_ms(c[f'{arm}_deq']):>9.3f}"
+            line += f" {_ms(c[f'{arm}_all']):>7.3f}"
+            if arm != "none":
+                line += f" {increments[arm]:>8.3f} {increments['up'] / increments[arm]:>5.1f}x"
+            print(line)
+        shared = min(c["packed_shared"]) == 1.0
+        print(
+            f"R3 transport at {n}: in context {increments['up'] / increments['packed']:.1f}x"
+            f" upstream, isolated payload {isolated:.1f}x (the transport column above); packed"
+            f" ids {'are' if shared else 'are NOT'} the received req_ids' str objects"
+        )
         t = bench_take_only(n, args.rounds, args.steps, args.seed)
         plain, wrapped = _ms(t["plain"]), _ms(t["wrapt"])
         print(

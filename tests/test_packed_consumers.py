@@ -125,7 +125,7 @@ def test_an_unfilled_instance_is_read_before_a_c_level_reader_sees_it() -> None:
     outputs = _step(int_starts=True)
     packed = PackedAuxOutputs.pack(outputs)
     trusted = PackedAuxOutputs._trusted(
-        list(packed), None, packed.token_starts, packed.offsets, packed.rows
+        list(packed), packed.token_starts, packed.offsets, packed.rows
     )
     assert list(trusted.items())  # a Python-level read: fills
     encode = msgspec.msgpack.encode

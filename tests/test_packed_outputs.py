@@ -15,6 +15,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import functools  # noqa: E402
 import gc  # noqa: E402
 import multiprocessing  # noqa: E402
+import operator  # noqa: E402
 import pickle  # noqa: E402
 import pickletools  # noqa: E402
 from collections.abc import Callable, Iterator, Mapping  # noqa: E402
@@ -254,10 +255,12 @@ def test_mapping_behaves_like_the_dict() -> None:
 
 
 def test_pickle_size_does_not_grow_objects_per_request() -> None:
-    """The pickle stream holds the same opcodes for 3 or 2000 requests: no per-request objects."""
+    """Pickled alone, 3 or 2000 requests differ only in the id list's items (one string
+    each): no per-request array, value object or integer."""
 
     sized = {"BININT1": "INT", "BININT2": "INT", "BININT": "INT", "BINUNICODE": "STR"}
     sized |= {"SHORT_BINUNICODE": "STR", "SHORT_BINBYTES": "BYTES", "BINBYTES": "BYTES"}
+    id_list = {"STR", "MEMOIZE", "MARK", "APPENDS"}  # the ids, batched into the list
 
     def opcodes(n: int) -> list[str]:
         outputs, _ = make_step(np.random.default_rng(n), n)
@@ -265,10 +268,91 @@ def test_pickle_size_does_not_grow_objects_per_request() -> None:
         ops = (op.name for op, _, _ in pickletools.genops(data) if op.name != "FRAME")
         return [sized.get(name, name) for name in ops]
 
-    assert opcodes(3) == opcodes(2000)
-    assert len(opcodes(2000)) < 60
+    big = opcodes(2000)
+    assert [op for op in opcodes(3) if op not in id_list] == [op for op in big if op not in id_list]
+    assert big.count("STR") < 2000 + 20
+    assert len([op for op in big if op not in id_list]) < 60
+
+
+def _model_runner_output(outputs: Mapping[str, Any], aux: Any) -> Any:
+    """A decode step's ``ModelRunnerOutput`` as the V2 runner builds it: ``req_ids`` hold
+    the same ``str`` objects the aux output is keyed by (``PendingAuxOutput.request_ids``
+    is ``list(input_batch.req_ids)``, ``req_ids=input_batch.req_ids``)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    req_ids = list(outputs)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+        sampled_token_ids=[[i] for i in range(len(req_ids))],
+        aux_output_connector_output=aux,
+    )
+
+
+@pytest.mark.parametrize("n", [3, 2000])
+def test_ids_inside_the_model_runner_output_are_memo_references(n: int) -> None:
+    """Sent as on the real path (inside ``ModelRunnerOutput``, through the real
+    ``MessageQueue``), a packed step's ids cost one memo reference each: no id string is
+    written again, and the received step's ids are the received ``req_ids``' own
+    objects (nothing to split, hash or compare anew in EngineCore)."""
+    outputs, requests = make_step(np.random.default_rng(n), n)
+    without = pickle.dumps(_model_runner_output(outputs, None), protocol=5)
+    data = pickle.dumps(_model_runner_output(outputs, PackedAuxOutputs.pack(outputs)), protocol=5)
+    for request_id in list(outputs)[:50]:
+        assert data.count(request_id.encode()) == without.count(request_id.encode()) == 1
+
+    def strings(stream: bytes) -> int:
+        return sum(isinstance(arg, str) for _, arg, _ in pickletools.genops(stream))
+
+    assert strings(data) - strings(without) < 20  # module and class names, not per request
+    writer = MessageQueue(1, 1)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    writer.wait_until_ready()
+    reader.wait_until_ready()
+    writer.enqueue(_model_runner_output(outputs, PackedAuxOutputs.pack(outputs)))
+    received = reader.dequeue()
+    step = received.aux_output_connector_output
+    assert type(step) is PackedAuxOutputs and list(step) == list(outputs)
+    assert all(map(operator.is_, step, received.req_ids))
+    assert_parity(outputs, step, requests)
     outputs, _ = make_step(np.random.default_rng(0), 50)
     assert len(list(pickletools.genops(pickle.dumps(outputs, protocol=5)))) > 50 * 10
+
+
+def test_batched_commit_builds_the_step_with_the_same_id_objects() -> None:
+    """``batched_commit._packed`` (the fast path's builder) keeps the step's own id
+    objects too: inside the ``ModelRunnerOutput`` no id string is written twice."""
+    from prime_r3.fixes.batched_commit import _packed
+
+    n = 300
+    snapshot = np.random.default_rng(1).integers(0, 256, size=(n, 46, 8), dtype=np.uint8)
+    ids = [f"chatcmpl-{i:06d}" for i in range(n)]
+    starts = np.arange(n, dtype=np.int64) + 100
+    built = _packed(PackedAuxOutputs, ids, starts, snapshot, list(range(n)), np.arange(n), [], [])
+    assert all(map(operator.is_, built, ids))
+    outputs = dict.fromkeys(ids)
+    data = pickle.dumps(_model_runner_output(outputs, built), protocol=5)
+    assert all(data.count(request_id.encode()) == 1 for request_id in ids)
+    received = pickle.loads(data)
+    assert all(map(operator.is_, received.aux_output_connector_output, received.req_ids))
+    for i, request_id in enumerate(ids):
+        value = received.aux_output_connector_output[request_id]
+        assert value.token_start == 100 + i and np.array_equal(value.rows, snapshot[i : i + 1])
+
+
+def test_a_format_1_step_with_joined_ids_is_still_read() -> None:
+    """Format-1 writers before the shared ids sent the ids joined by ``"\\x00"`` (same
+    format version, so the handshake lets them through): read as before."""
+    from prime_r3 import packed
+
+    rows = np.arange(3 * 4, dtype=np.uint16).reshape(3, 2, 2)
+    ints = np.array([5, 9, 0, 2, 3], dtype=np.int64).tobytes()  # starts, then offsets
+    step = packed._rebuild(
+        FORMAT_VERSION, 2, "a\x00b", ints, bytearray(rows.tobytes()), rows.dtype, (2, 2)
+    )
+    assert list(step) == ["a", "b"]
+    assert step["a"].token_start == 5 and np.array_equal(step["a"].rows, rows[:2])
+    assert step["b"].token_start == 9 and np.array_equal(step["b"].rows, rows[2:])
 
 
 def test_unpacked_fallback_and_validation() -> None:
@@ -276,8 +360,7 @@ def test_unpacked_fallback_and_validation() -> None:
     rows = np.zeros((2, 3), np.uint8)
     mixed = {"a": AuxRequestOutput(0, rows), "b": AuxRequestOutput(0, rows.astype(np.uint16))}
     shapes = {"a": AuxRequestOutput(0, rows), "b": AuxRequestOutput(0, rows.T)}
-    non_str = {1: AuxRequestOutput(0, rows)}
-    for outputs in (mixed, shapes, non_str):
+    for outputs in (mixed, shapes):
         packed = PackedAuxOutputs.pack(outputs)  # type: ignore[arg-type]
         assert dict(packed) == outputs
         received = pickle.loads(pickle.dumps(packed, protocol=5))
@@ -285,6 +368,11 @@ def test_unpacked_fallback_and_validation() -> None:
         for key, value in received.items():
             assert np.array_equal(value.rows, outputs[key].rows)
             assert value.rows.dtype == outputs[key].rows.dtype
+    # Ids are pickled as the keys themselves: a key of any type round-trips packed.
+    non_str = {1: AuxRequestOutput(0, rows)}
+    received = pickle.loads(pickle.dumps(PackedAuxOutputs.pack(non_str), protocol=5))  # type: ignore[arg-type]
+    assert type(received) is PackedAuxOutputs and list(received) == [1]
+    assert np.array_equal(received[1].rows, rows) and received[1].token_start == 0  # type: ignore[index]
     with pytest.raises(ValueError):
         PackedAuxOutputs.from_arrays(["a"], [0], [0, 3], rows)
     wrapper = packed_outputs._pack_step_output({})
@@ -669,7 +757,7 @@ def test_lookups_are_dict_lookups_on_every_side() -> None:
         assert type(packed).__getitem__ is dict.__getitem__
         assert_parity(outputs, packed, requests)
     trusted = PackedAuxOutputs._trusted(
-        list(written), None, written.token_starts, written.offsets, written.rows
+        list(written), written.token_starts, written.offsets, written.rows
     )
     assert type(trusted) is not PackedAuxOutputs and isinstance(trusted, PackedAuxOutputs)
     assert len(trusted) == 100 and list(trusted) == list(outputs)  # no fill needed

@@ -80,8 +80,6 @@ from prime_r3.spec import Anchor, PatchSpec, Process, Target, WrapperFn
 
 logger = logging.getLogger("vllm.prime_r3")
 
-_SEPARATOR = "\x00"  # prime_r3.packed's id separator
-
 
 class Counters:
     """How many requests the fast path committed and how many went to upstream, by reason.
@@ -634,10 +632,9 @@ def _packed(
         out_rows = None if materialised else _one_run(rows, pieces)
         if out_rows is None:
             out_rows = np.concatenate(pieces, axis=0, dtype=rows.dtype, casting="no")
-    joined: str | None = _SEPARATOR.join(out_ids)
-    if joined.count(_SEPARATOR) != len(out_ids) - 1:
-        joined = None
-    return packed_cls._trusted(out_ids, joined, out_starts, offsets, out_rows)
+    # The ids stay upstream's own str objects (ModelRunnerOutput.req_ids' elements):
+    # pickled inside the output they are memo references (prime_r3.packed).
+    return packed_cls._trusted(out_ids, out_starts, offsets, out_rows)
 
 
 # Verified source fingerprints (scripts/fingerprint.py; those shared with other patches

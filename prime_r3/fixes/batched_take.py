@@ -163,7 +163,7 @@ def _lookup(output: Any) -> Any:
     """
     from prime_r3.packed import _Index  # imported by then (the patch applied)
 
-    ids, _, starts, offsets, rows = output._packed
+    ids, starts, offsets, rows = output._packed
     n = len(ids)
     counts = offsets[1:] - offsets[:-1]
     ones = counts == 1

@@ -55,6 +55,7 @@ import dataclasses
 import inspect
 import logging
 import operator
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -103,14 +104,18 @@ class Counters:
             self.steps = 0
             self.batched_steps = 0
             self.fast_requests = 0
+            self.fast_multi_token = 0
             self.fallback_requests = 0
             self.fallback_reasons: Counter[str] = Counter()
 
-    def add(self, fast: int, reasons: Mapping[str, int]) -> None:
+    def add(self, fast: int, reasons: Mapping[str, int], multi_token: int = 0) -> None:
+        """One step: ``fast`` requests committed here (``multi_token`` of them had more
+        than one token), ``reasons``: requests left to upstream, by reason."""
         with self._lock:
             self.steps += 1
             self.batched_steps += fast > 0
             self.fast_requests += fast
+            self.fast_multi_token += multi_token
             if reasons:  # the common step has none: no Counter.update per step
                 self.fallback_requests += sum(reasons.values())
                 self.fallback_reasons.update(reasons)
@@ -121,6 +126,7 @@ class Counters:
                 "steps": self.steps,
                 "batched_steps": self.batched_steps,
                 "fast_requests": self.fast_requests,
+                "fast_multi_token": self.fast_multi_token,
                 "fallback_requests": self.fallback_requests,
                 "fallback_reasons": dict(self.fallback_reasons),
             }
@@ -220,23 +226,42 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
             fast_rows = qsl[fast]
         buffer_rows[slots, locals_] = _rows_at(rows, fast_rows)
 
+        multi: _Multi | None = None
         if len(fast) + len(fallback) != n:
-            if not decode.all():
-                not_decode = ~decode
-                reasons["multi_token"] += int((not_decode & (num_tokens != 1)).sum())
-                reasons["rejected"] += int((not_decode & (num_tokens == 1) & (rejected != 0)).sum())
-                reasons["not_sampled"] += int(
-                    (not_decode & (num_tokens == 1) & (rejected == 0) & (sampled <= 0)).sum()
+            not_decode = ~decode
+            single = not_decode & (num_tokens == 1)
+            if single.any():
+                reasons["rejected"] += int((single & (rejected != 0)).sum())
+                reasons["not_sampled"] += int((single & (rejected == 0) & (sampled <= 0)).sum())
+                fallback.extend(np.flatnonzero(single).tolist())
+            several = np.flatnonzero(not_decode & (num_tokens > 1)).tolist()
+            if several:
+                multi = _select_multi(
+                    instance,
+                    ids,
+                    several,
+                    (qsl, token_starts, sampled, rejected, rows),
+                    bool(fallback),
+                    reasons,
+                    (AuxRequestOutput, _RequestTail),
                 )
-                fallback.extend(np.flatnonzero(not_decode).tolist())
+                fallback.extend(multi.fallback)
+                if multi.at:  # their (state, completed) pairs join the publication
+                    published_at, published = _merge_pairs(
+                        published_at, published, multi.at, multi.pairs
+                    )
             fallback.sort()
-        COUNTERS.add(len(fast), reasons)
+        fast_multi = 0 if multi is None else len(multi.at)
+        COUNTERS.add(len(fast) + fast_multi, reasons, multi_token=fast_multi)
 
         direct: list[tuple[int, str, Any]] = []
         materialised: list[tuple[str, Any]] = []
         if not fallback:
             if published:  # upstream's own publication, same pairs, batch order
                 instance._publish_blocks(published)
+            if multi is not None and multi.materialise:
+                # After the one publication, in batch order, as upstream's loop does.
+                materialised = _materialise(instance, multi.materialise, AuxRequestOutput)
         else:
             sub, sub_rows = _sub_step(pending, fallback, qsl, num_tokens, token_starts)
             sub_root = _root(sub_rows)
@@ -249,6 +274,12 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
                     direct.append((position[request_id], request_id, output))
                 else:
                     materialised.append((request_id, output))
+        if multi is not None and multi.direct:
+            direct = (
+                sorted(direct + multi.direct, key=operator.itemgetter(0))
+                if direct
+                else multi.direct
+            )
 
         if _packing_in_force(instance):
             return _packed(
@@ -411,6 +442,220 @@ def _select(
                 published.append((state, []))
             published_at.append(fast[i])
     return fast, fallback, slots, fast_lengths, published, published_at
+
+
+@dataclasses.dataclass
+class _Multi:
+    """What ``_select_multi`` did to a step's multi-token requests (batch positions)."""
+
+    #: Committed here, in batch order, with their ``(state, completed)`` pairs.
+    at: list[int]
+    pairs: list[Any]
+    #: Outputs cut from the snapshot, as (position, request id, AuxRequestOutput).
+    direct: list[tuple[int, str, Any]]
+    #: (request id, emit start, token end) to read back after the publication.
+    materialise: list[tuple[str, int, int]]
+    #: Left to upstream's ``_commit_output``.
+    fallback: list[int]
+
+
+def _select_multi(
+    connector: Any,
+    ids: list[str],
+    positions: list[int],
+    step: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    other_fallback: bool,
+    reasons: Counter[str],
+    classes: tuple[Any, Any],
+) -> _Multi:
+    """Commit the multi-token requests at ``positions`` (a prefill chunk, or drafts with
+    nothing rejected) exactly as upstream's loop body does, or leave them to upstream.
+
+    Covered: a known state whose capture cursor is unset (first capture) or at the token
+    start, nothing rejected, and a capture ``RoutedExpertsBuffer.capture`` accepts (the
+    buffered tail ends at the token start, or there is none and the start is aligned; a
+    free slot for a new tail). What ``capture`` then does, done here: the tail is filled
+    and, once full, handed over as a block (its slot to ``_owned_slots`` under the block
+    view's id); then full aligned blocks as views of the snapshot; the rest starts a new
+    tail. Cursors and the output follow ``_commit_output``: capture and scheduled cursor
+    to the token end; with a token sampled and the emit cursor within reach, an output cut
+    from the snapshot (emit cursor at or after the token start) or read back after the
+    publication (before it: a prefix hit, upstream's ``materialize_routed_experts``).
+
+    Upstream reads back all such outputs after all requests' captures and the one
+    publication, in batch order, and each read moves the store's LRU: a request that
+    reads back is covered only when no other request of the step goes to upstream
+    (``multi_token_mixed``), so every read happens here, in upstream's order. Reasons for
+    the others: ``multi_token_rejected`` (a rejected suffix), ``multi_token_cursor`` (no
+    state, capture cursor elsewhere: a re-attach or rewind; negative start),
+    ``multi_token_tail`` (not contiguous with the tail, unaligned start without a tail,
+    no free slot).
+    """
+    qsl, token_starts, sampled, rejected, rows = step
+    aux_output, request_tail = classes
+    buffer = connector._buffer
+    block_size = buffer.block_size
+    tails = buffer._requests
+    free_slots = buffer._free_slots
+    states = connector._requests
+    chosen: list[tuple[int, Any, Any, int, int, int, int]] = []
+    fallback: list[int] = []
+    for j in positions:
+        request_id = ids[j]
+        start, end = int(qsl[j]), int(qsl[j + 1])
+        token_start = int(token_starts[j])
+        if int(rejected[j]):
+            reasons["multi_token_rejected"] += 1
+            fallback.append(j)
+            continue
+        state = states.get(request_id)
+        if (
+            state is None
+            or token_start < 0
+            or (state.capture_cursor is not None and state.capture_cursor != token_start)
+        ):
+            reasons["multi_token_cursor"] += 1
+            fallback.append(j)
+            continue
+        tail = tails.get(request_id)
+        if tail is None:
+            contiguous = token_start % block_size == 0
+        else:
+            contiguous = (
+                tail.block_start + tail.length == token_start
+                and tail.block_start % block_size == 0
+                and 0 <= tail.length < block_size
+            )
+        if not contiguous:
+            reasons["multi_token_tail"] += 1
+            fallback.append(j)
+            continue
+        token_end = token_start + end - start
+        emit = state.emit_cursor
+        # 0: no output; 1: cut from the snapshot; 2: read back after the publication.
+        kind = 0
+        if int(sampled[j]) > 0 and emit <= token_end:
+            kind = 1 if emit >= token_start else 2
+        chosen.append((j, state, tail, token_start, start, end, kind))
+
+    def drop(reason: str, which: Any) -> None:
+        nonlocal chosen
+        keep = []
+        for item in chosen:
+            if which(item):
+                reasons[reason] += 1
+                fallback.append(item[0])
+            else:
+                keep.append(item)
+        chosen = keep
+
+    if other_fallback or fallback:
+        drop("multi_token_mixed", lambda item: item[6] == 2)
+    # A new tail for every capture whose end is not aligned, unless it stays in its tail.
+    slots = len(free_slots)
+    short = False
+    for _j, _, tail, token_start, start, end, _ in chosen:
+        token_end = token_start + end - start
+        if token_end % block_size and (tail is None or token_end - tail.block_start >= block_size):
+            slots -= 1
+            if slots < 0:  # upstream asserts "pool is exhausted" for it: let it
+                short = True
+    if short:
+        drop("multi_token_tail", lambda item: True)
+    if fallback and chosen:
+        drop("multi_token_mixed", lambda item: item[6] == 2)
+
+    rows_of = buffer._rows
+    owned_slots = buffer._owned_slots
+    at: list[int] = []
+    pairs: list[Any] = []
+    direct: list[tuple[int, str, Any]] = []
+    materialise: list[tuple[str, int, int]] = []
+    for j, state, tail, token_start, start, end, kind in chosen:
+        request_id = ids[j]
+        captured = rows[start:end]
+        count = end - start
+        completed: list[tuple[int, np.ndarray]] = []
+        offset = 0
+        if tail is not None:  # fill the buffered tail first
+            local = tail.length
+            offset = min(block_size - local, count)
+            rows_of[tail.slot, local : local + offset] = captured[:offset]
+            tail.length = local + offset
+            if tail.length == block_size:
+                block = rows_of[tail.slot]
+                del tails[request_id]
+                owned_slots[id(block)] = tail.slot
+                completed.append((tail.block_start, block))
+        full_end = offset + (count - offset) // block_size * block_size
+        completed.extend(
+            (token_start + at_, captured[at_ : at_ + block_size])
+            for at_ in range(offset, full_end, block_size)
+        )
+        if full_end < count:  # the rest starts a new tail (RoutedExpertsBuffer._tail)
+            new_tail = request_tail(free_slots.pop(), token_start + full_end)
+            tails[request_id] = new_tail
+            rows_of[new_tail.slot, : count - full_end] = captured[full_end:]
+            new_tail.length = count - full_end
+        token_end = token_start + count
+        state.capture_cursor = token_end
+        state.scheduled_cursor = token_end
+        at.append(j)
+        pairs.append((state, completed))
+        if kind == 1:
+            emit = state.emit_cursor
+            direct.append((j, request_id, aux_output(emit, captured[emit - token_start :])))
+            state.emit_cursor = token_end
+        elif kind == 2:
+            materialise.append((request_id, state.emit_cursor, token_end))
+    return _Multi(at, pairs, direct, materialise, fallback)
+
+
+def _merge_pairs(
+    at: list[int], pairs: list[Any], more_at: list[int], more: list[Any]
+) -> tuple[list[int], list[Any]]:
+    """Two position-sorted lists of publication pairs as one, in batch order."""
+    if not at:
+        return list(more_at), list(more)
+    merged = sorted(
+        [*zip(at, pairs, strict=True), *zip(more_at, more, strict=True)],
+        key=operator.itemgetter(0),
+    )
+    return [j for j, _ in merged], [pair for _, pair in merged]
+
+
+def _materialise(
+    connector: Any, pending: list[tuple[str, int, int]], aux_output: Any
+) -> list[tuple[str, Any]]:
+    """``_commit_output``'s read-back of outputs that start before the capture (after the
+    step's one publication, in batch order): the stored blocks through the worker
+    module's ``materialize_routed_experts`` (looked up per call, as upstream's loop does),
+    then the buffered tail; the emit cursor moves to the token end after each."""
+    buffer = connector._buffer
+    store = connector._store
+    block_size = buffer.block_size
+    materialize = sys.modules[_WORKER].materialize_routed_experts
+    outputs: list[tuple[str, Any]] = []
+    for request_id, emit_start, token_end in pending:
+        state = connector._requests[request_id]
+        stored_end = min(token_end // block_size, len(state.aux_output_keys)) * block_size
+        if emit_start < stored_end:
+            first_block = emit_start // block_size
+            stored = materialize(
+                store,
+                state.aux_output_keys[first_block : stored_end // block_size],
+                shape_per_token=buffer.shape_per_token,
+                dtype=buffer.dtype,
+            )
+            local_start = emit_start % block_size
+            rows = stored[local_start : local_start + stored_end - emit_start]
+            if stored_end < token_end:
+                rows = np.concatenate((rows, buffer.read(request_id, stored_end, token_end)))
+        else:
+            rows = buffer.read(request_id, emit_start, token_end)
+        outputs.append((request_id, aux_output(emit_start, rows)))
+        state.emit_cursor = token_end
+    return outputs
 
 
 @contextlib.contextmanager

@@ -337,3 +337,97 @@ def test_a_decode_step_allocates_no_step_sized_array(
     if packed:
         assert np.shares_memory(sent, snapshot) and np.array_equal(sent, snapshot)
     assert peak < snapshot.nbytes // 4, (peak, snapshot.nbytes)
+
+
+def test_multi_token_path_reaches_every_branch(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """The differential workload drives every branch of the multi-token fast path (the
+    parity checks above then hold on each): outputs cut from the snapshot, read back
+    after a prefix hit, none; a buffered tail filled and completed or not; full blocks
+    as snapshot views; a new tail for the rest; and requests left to upstream."""
+    _apply("batched_commit")
+    seen: Counter[str] = Counter()
+    original = batched_commit._select_multi
+
+    def recording(connector: Any, ids: list[str], positions: list[int], *args: Any) -> Any:
+        qsl = args[0][0]
+        block = connector._buffer.block_size
+        before = {}
+        for j in positions:
+            tail = connector._buffer._requests.get(ids[j])
+            before[j] = None if tail is None else tail.length
+        result = original(connector, ids, positions, *args)
+        seen["direct"] += len(result.direct)
+        seen["materialise"] += len(result.materialise)
+        seen["no_output"] += len(result.at) - len(result.direct) - len(result.materialise)
+        seen["fallback"] += len(result.fallback)
+        for j in result.at:
+            count, length = int(qsl[j + 1] - qsl[j]), before[j]
+            rest = count if length is None else count - min(count, block - length)
+            if length is not None:
+                seen["tail_completed" if length + count >= block else "tail_partial"] += 1
+            seen["full_blocks"] += rest >= block
+            seen["new_tail"] += (length is None or length + count >= block) and rest % block > 0
+        return result
+
+    reverted.setattr(batched_commit, "_select_multi", recording)
+    _run(range(0, 12))
+    expected = (
+        "direct",
+        "materialise",
+        "no_output",
+        "fallback",
+        "tail_completed",
+        "tail_partial",
+        "full_blocks",
+        "new_tail",
+    )
+    assert all(seen[name] for name in expected), seen
+
+
+def _gap_step(reference: bool, case: str) -> tuple[Any, Any]:
+    """One step of a decode ("d", fast) and a 6-token chunk ("p") that upstream's capture
+    refuses: (the error upstream raises or None, the worker state afterwards)."""
+    shape = harness.Shape(block=4, token_shape=(3, 2), dtype=np.uint16)
+    connector = harness.make_connector(shape, reference)
+    state = aux_worker._WorkerRequestState
+    connector._requests["d"] = state(capture_cursor=4, scheduled_cursor=4, emit_cursor=4)
+    start = {"gap": 5, "unaligned": 3, "no_slot": 4}[case]
+    connector._requests["p"] = state(
+        capture_cursor=None if case == "unaligned" else start, emit_cursor=start
+    )
+    if case == "gap":  # tokens 0-1 buffered, 2-4 never captured
+        connector._buffer.capture("p", 0, np.ones((2, 3, 2), np.uint16))
+    if case == "no_slot":  # every slot but d's new tail taken: p's rest has none
+        del connector._buffer._free_slots[1:]
+    rows = np.arange(7 * 6, dtype=np.uint16).reshape(7, 3, 2)
+    pending = _decode_pending(connector, ["d", "p"], [4, start], [0, 1, 7], rows)
+    for request_id in ("d", "p"):
+        connector._requests[request_id].pending_outputs += 1
+    connector._pending_outputs.append(pending)
+    error = None
+    try:
+        connector.process_output(pending)
+    except AssertionError as caught:
+        error = harness.error_of(caught)
+    result = error, harness.worker_state(connector)[1]["p"]
+    connector.close()
+    return result
+
+
+@pytest.mark.parametrize("case", ["gap", "unaligned", "no_slot"])
+def test_a_capture_upstream_refuses_goes_to_upstream(
+    reverted: pytest.MonkeyPatch, case: str
+) -> None:
+    """A multi-token capture that is not contiguous with its tail, starts unaligned
+    without one, or needs a slot the buffer lacks is left to upstream's loop, which
+    raises its own assertion (counted as ``multi_token_tail``)."""
+    expected = _gap_step(reference=True, case=case)
+    assert expected[0] is not None and expected[0][0] == "AssertionError", expected
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    assert _gap_step(reference=False, case=case) == expected
+    counts = batched_commit.COUNTERS.snapshot()
+    assert counts["fallback_reasons"] == {"multi_token_tail": 1}, counts
+    assert counts["fast_requests"] == 1 and counts["fast_multi_token"] == 0, counts

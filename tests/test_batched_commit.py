@@ -431,3 +431,95 @@ def test_a_capture_upstream_refuses_goes_to_upstream(
     counts = batched_commit.COUNTERS.snapshot()
     assert counts["fallback_reasons"] == {"multi_token_tail": 1}, counts
     assert counts["fast_requests"] == 1 and counts["fast_multi_token"] == 0, counts
+
+
+def _declared_connector() -> Any:
+    """A patched-side connector whose current step metadata declares the packed reader."""
+    from prime_r3.packed import FORMAT_VERSION, READS_MARK
+
+    connector = harness.make_connector(harness.Shape(), reference=False)
+    metadata = AuxOutputConnectorMetadata(0, {}, {}, ())
+    setattr(metadata, READS_MARK, FORMAT_VERSION)
+    connector._step_metadata = metadata
+    return connector
+
+
+def _uncached_answer(connector: Any) -> bool:
+    """What ``_packing_in_force`` answered before it was cached: the walk every step."""
+    import inspect
+
+    from prime_r3 import state
+    from prime_r3.packed import reader_declared
+
+    attr = inspect.getattr_static(type(connector), "process_output", None)
+    return "packed_outputs" in state.wrapped_by(attr) and reader_declared(connector._step_metadata)
+
+
+def test_packing_answer_is_cached_and_never_stale(reverted: pytest.MonkeyPatch) -> None:
+    """``_packing_in_force`` walks the records once, then answers from its cache (before:
+    ``state.wrapped_by`` every step); the answer follows apply, revert, a foreign wrapper
+    around ours, and a layer made a pass-through, each time equal to the uncached walk."""
+    from prime_r3 import state
+
+    walks = Counter[str]()
+    wrapped_by = state.wrapped_by
+
+    def counting(obj: Any) -> tuple[str, ...]:
+        walks["wrapped_by"] += 1
+        return wrapped_by(obj)
+
+    reverted.setattr(state, "wrapped_by", counting)
+    batched_commit._PACKING_WRAPS.clear()
+    connector = _declared_connector()
+    cls = aux_worker.AuxOutputWorkerConnector
+
+    def check(expected: bool) -> None:
+        assert batched_commit._packing_in_force(connector) is expected
+        assert _uncached_answer(connector) is expected
+
+    check(False)  # nothing applied
+    _apply("packed_outputs", "batched_commit")
+    check(True)
+    walks.clear()
+    for _ in range(5):
+        assert batched_commit._packing_in_force(connector) is True
+    assert walks["wrapped_by"] == 0, walks  # answered from the cache
+
+    prime_r3.revert(["packed_outputs"])
+    check(False)
+    _apply("packed_outputs")
+    check(True)
+
+    ours = cls.__dict__["process_output"]
+    foreign = wrapt.FunctionWrapper(ours, lambda wrapped, instance, args, kwargs: None)
+    setattr(cls, "process_output", foreign)  # noqa: B010 - a foreign layer around ours
+    try:
+        check(False)
+    finally:
+        setattr(cls, "process_output", ours)  # noqa: B010
+    check(True)
+
+    # The same object, its record now a pass-through (what an import rollback leaves).
+    reverted.setitem(state._inert, "packed_outputs", dict(state._active["packed_outputs"]))
+    check(False)
+    del state._inert["packed_outputs"]
+    check(True)
+
+    batched_commit._PACKING_WRAPS.clear()
+    prime_r3.revert()
+    check(False)
+
+
+def test_packing_cache_keeps_no_reverted_wrapper_alive(reverted: pytest.MonkeyPatch) -> None:
+    """The cache holds its layers by weak reference: after a revert, the wrapper it saw
+    is freed (upstream's class no longer holds it, so neither may we)."""
+    import gc
+    import weakref
+
+    _apply("packed_outputs", "batched_commit")
+    connector = _declared_connector()
+    assert batched_commit._packing_in_force(connector) is True
+    layer = weakref.ref(aux_worker.AuxOutputWorkerConnector.__dict__["process_output"])
+    prime_r3.revert()
+    gc.collect()
+    assert layer() is None

@@ -88,11 +88,12 @@ class Counters:
     """How many requests the fast path committed and how many went to upstream, by reason.
 
     Process-wide (every connector in the process adds to it); ``snapshot()`` is what
-    the bench and the tests read. Reasons: ``multi_token`` (prefill chunk or speculative
-    tokens), ``rejected``, ``not_sampled``, ``cursor`` (capture/emit cursor not at the
-    token start: rewind, store emit, prompt start, first capture, no state), ``tail``
-    (not contiguous with the buffered tail, unaligned new block, no free slot),
-    ``step`` (the whole step went to upstream).
+    the bench and the tests read. batched_commit's reasons for one-token requests:
+    ``rejected``, ``not_sampled``, ``cursor`` (capture/emit cursor not at the token
+    start: rewind, store emit, prompt start, first capture, no state), ``tail`` (not
+    contiguous with the buffered tail, unaligned new block, no free slot); for
+    multi-token ones the ``multi_token_*`` reasons of ``_select_multi``; ``step`` (the
+    whole step went to upstream).
     """
 
     def __init__(self) -> None:
@@ -104,18 +105,14 @@ class Counters:
             self.steps = 0
             self.batched_steps = 0
             self.fast_requests = 0
-            self.fast_multi_token = 0
             self.fallback_requests = 0
             self.fallback_reasons: Counter[str] = Counter()
 
-    def add(self, fast: int, reasons: Mapping[str, int], multi_token: int = 0) -> None:
-        """One step: ``fast`` requests committed here (``multi_token`` of them had more
-        than one token), ``reasons``: requests left to upstream, by reason."""
+    def add(self, fast: int, reasons: Mapping[str, int]) -> None:
         with self._lock:
             self.steps += 1
             self.batched_steps += fast > 0
             self.fast_requests += fast
-            self.fast_multi_token += multi_token
             if reasons:  # the common step has none: no Counter.update per step
                 self.fallback_requests += sum(reasons.values())
                 self.fallback_reasons.update(reasons)
@@ -126,13 +123,34 @@ class Counters:
                 "steps": self.steps,
                 "batched_steps": self.batched_steps,
                 "fast_requests": self.fast_requests,
-                "fast_multi_token": self.fast_multi_token,
                 "fallback_requests": self.fallback_requests,
                 "fallback_reasons": dict(self.fallback_reasons),
             }
 
 
-COUNTERS = Counters()
+class CommitCounters(Counters):
+    """batched_commit's counters: also how many of the fast requests had more than one
+    token (prefill chunks, drafts with nothing rejected: ``fast_multi_token``)."""
+
+    def reset(self) -> None:
+        super().reset()
+        with self._lock:
+            self.fast_multi_token = 0
+
+    def add(self, fast: int, reasons: Mapping[str, int], multi_token: int = 0) -> None:
+        super().add(fast, reasons)
+        if multi_token:
+            with self._lock:
+                self.fast_multi_token += multi_token
+
+    def snapshot(self) -> dict[str, Any]:
+        snapshot = super().snapshot()
+        with self._lock:
+            snapshot["fast_multi_token"] = self.fast_multi_token
+        return snapshot
+
+
+COUNTERS = CommitCounters()
 
 
 def _root(array: Any) -> Any:

@@ -24,9 +24,16 @@ pairs, in batch order. The step's output is built directly from the snapshot: on
 ``take`` of the fast rows into a ``PackedAuxOutputs`` when ``packed_outputs`` is in
 force in this process, else upstream's dict of ``AuxRequestOutput`` views.
 
-Every other request of the step (prefill chunks, speculative-decode rejected suffixes,
-capture rewinds, emits from the store, first captures, gaps upstream asserts on, ...)
-goes through upstream's ``_commit_output`` itself, in the same step, on a
+Multi-token requests (prefill chunks, drafts with nothing rejected) whose capture is
+plain are fast too (``_select_multi``: first capture or cursor at the token start, the
+rows continue the buffered tail or start aligned, a free slot): upstream's ``capture``
+and loop body done on its objects, full blocks as views of the snapshot, and an output
+read back from the store/tail after the step's one publication (a prefix hit) only when
+no request of the step goes to upstream, so every read-back is in upstream's order.
+
+Every other request of the step (speculative-decode rejected suffixes, capture
+rewinds, one-token emits from the store, first one-token captures, gaps upstream
+asserts on, ...) goes through upstream's ``_commit_output`` itself, in the same step, on a
 ``PendingAuxOutput`` holding just those requests (``dataclasses.replace``; its rows are
 a view of the snapshot when they are contiguous, else one gather). A step that does not
 look like upstream's contract at all (mismatched lengths, duplicate ids, a token count
@@ -44,6 +51,9 @@ Differences from upstream, and why they are not observable:
   fast one's rows, and a later prefix hit emitted them.)
 * Dict order: direct outputs in batch order, then outputs materialised from the store
   or buffer (as upstream's), since upstream's order is kept.
+* Buffer slots: fast requests' new tails take their slots before the fallback
+  requests' (upstream: in batch order). A slot's index is never read back: rows are
+  copied out of it (``read``, ``tobytes``, ``retain_block``).
 
 Counters (``COUNTERS``) say which requests were ours and which upstream's, by reason.
 """
@@ -1005,8 +1015,8 @@ _REQUEST_TAIL = frozenset({"81eb99451d75a944"})
 
 SPEC = PatchSpec(
     name="batched_commit",
-    summary="output worker commits the common decode step with array operations; "
-    "other requests go to upstream's _commit_output in the same step",
+    summary="output worker commits the common decode step with array operations, and "
+    "plain multi-token captures; other requests go to upstream's _commit_output in the same step",
     vllm_range=">=0.31,<0.34",
     # Commits in the output worker; the packed output it builds is read in EngineCore.
     processes=frozenset({Process.WORKER, Process.ENGINE_CORE}),

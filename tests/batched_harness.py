@@ -114,6 +114,7 @@ def make_connector(shape: Shape, reference: bool) -> Any:
     store = BlockObjectStore(max_bytes=shape.store_slots * nbytes, object_nbytes=nbytes)
     if shape.background:
         store = BackgroundBlockObjectStore(store, max_pending_batches=2 * shape.max_num_seqs)
+    _record_store_calls(store)
     connector._store = store
     connector._buffer = RoutedExpertsBuffer(
         dtype, shape.token_shape, shape.block, shape.max_num_seqs, shape.max_batched_tokens, 2
@@ -128,6 +129,42 @@ def make_connector(shape: Shape, reference: bool) -> Any:
         for name in WRAPPED:
             setattr(connector, name, MethodType(upstream(name), connector))
     return connector
+
+
+def _record_store_calls(store: Any) -> None:
+    """Log, on the store object itself, every ``put`` (keys with payloads, retained and
+    released keys, in call order) and every ``get_concatenated`` (keys) the connector
+    makes, so the harness compares the sequence of store calls and not only the store's
+    end state (``store_calls``). Instance attributes shadow the class's methods (and any
+    patch's wrapper of them, which the bound originals still go through)."""
+    log: list[Any] = []
+    put, get = store.put, store.get_concatenated
+
+    def recording_put(objects: Any, **kwargs: Any) -> Any:
+        objects = list(objects)
+        log.append(
+            (
+                "put",
+                [(item.key, bytes(item.payload)) for item in objects],
+                list(kwargs.get("retain_keys", ())),
+                list(kwargs.get("release_keys", ())),
+            )
+        )
+        return put(objects, **kwargs)
+
+    def recording_get(keys: Any) -> Any:
+        log.append(("get", list(keys)))
+        return get(keys)
+
+    store.put, store.get_concatenated, store.calls = recording_put, recording_get, log
+
+
+def store_calls(connector: Any) -> list[Any]:
+    """The store calls logged since the last call of this (see ``_record_store_calls``)."""
+    log = connector._store.calls
+    calls = list(log)
+    log.clear()
+    return calls
 
 
 def inner_store(connector: Any) -> Any:
@@ -588,6 +625,7 @@ class Episode:
     def _compare_state(self) -> None:
         up, ours = (self.sides[name] for name in ("upstream", "patched"))
         assert worker_state(up) == worker_state(ours), f"step {self.steps}: worker state differs"
+        assert store_calls(up) == store_calls(ours), f"step {self.steps}: store calls differ"
         assert store_state(up) == store_state(ours), f"step {self.steps}: store differs"
         self.checks += 1
 

@@ -96,7 +96,10 @@ def test_differential_parity(reverted: pytest.MonkeyPatch, chunk: int) -> None:
     counts = batched_commit.COUNTERS.snapshot()
     # The harness really drove the patch, on both of its paths.
     assert counts["fast_requests"] > 0 and counts["fallback_requests"] > 0, counts
-    assert {"multi_token", "cursor", "step"} <= set(counts["fallback_reasons"]), counts
+    assert counts["fast_multi_token"] > 0, counts
+    assert {"multi_token_rejected", "multi_token_mixed", "cursor", "step"} <= set(
+        counts["fallback_reasons"]
+    ), counts
     assert steps > per * STEPS // 2, (steps, ends)
     assert checks > steps
     missing = [case for case in CASES if not seen[case]]
@@ -315,8 +318,8 @@ def test_a_decode_step_allocates_no_step_sized_array(
     reverted: pytest.MonkeyPatch, packed: bool, prefill: bool
 ) -> None:
     """The common step writes its rows into the buffer from a view of the snapshot and,
-    packed, sends a view of it (also when a prefill's rows, upstream's view, follow the
-    fast rows): no step-sized array is allocated and freed per step (before: a gather
+    packed, sends a view of it (also when a prefill's rows, a view as upstream's, follow
+    the fast rows): no step-sized array is allocated and freed per step (before: a gather
     temporary for the buffer write and a copy or concatenation for the packed rows, each
     the step's size; ~150 KB at N=400, i.e. an mmap and page faults every step)."""
     expected, _, _, _ = _decode_step(reference=True, packed=packed, prefill=prefill)
@@ -325,12 +328,198 @@ def test_a_decode_step_allocates_no_step_sized_array(
     ours, peak, snapshot, sent = _decode_step(reference=False, packed=packed, prefill=prefill)
     assert ours == expected and ("p" in ours["outputs"]) is prefill
     counts = batched_commit.COUNTERS.snapshot()
-    assert counts["fast_requests"] == 64
-    reasons = {reason: count for reason, count in counts["fallback_reasons"].items() if count}
-    assert reasons == ({"multi_token": 1} if prefill else {}), counts
-    if not prefill:  # the common step records no reason, not even a zero one
-        assert counts["fallback_reasons"] == {}, counts
+    # The new request's whole prompt (aligned, emits from its first token) is the
+    # multi-token fast path's: no request goes to upstream.
+    assert counts["fast_requests"] == 64 + prefill and counts["fast_multi_token"] == prefill
+    # The common step records no reason, not even a zero one.
+    assert counts["fallback_reasons"] == {}, counts
     assert (sent is not None) is packed
     if packed:
         assert np.shares_memory(sent, snapshot) and np.array_equal(sent, snapshot)
     assert peak < snapshot.nbytes // 4, (peak, snapshot.nbytes)
+
+
+def test_multi_token_path_reaches_every_branch(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """The differential workload drives every branch of the multi-token fast path (the
+    parity checks above then hold on each): outputs cut from the snapshot, read back
+    after a prefix hit, none; a buffered tail filled and completed or not; full blocks
+    as snapshot views; a new tail for the rest; and requests left to upstream."""
+    _apply("batched_commit")
+    seen: Counter[str] = Counter()
+    original = batched_commit._select_multi
+
+    def recording(connector: Any, ids: list[str], positions: list[int], *args: Any) -> Any:
+        qsl = args[0][0]
+        block = connector._buffer.block_size
+        before = {}
+        for j in positions:
+            tail = connector._buffer._requests.get(ids[j])
+            before[j] = None if tail is None else tail.length
+        result = original(connector, ids, positions, *args)
+        seen["direct"] += len(result.direct)
+        seen["materialise"] += len(result.materialise)
+        seen["no_output"] += len(result.at) - len(result.direct) - len(result.materialise)
+        seen["fallback"] += len(result.fallback)
+        for j in result.at:
+            count, length = int(qsl[j + 1] - qsl[j]), before[j]
+            rest = count if length is None else count - min(count, block - length)
+            if length is not None:
+                seen["tail_completed" if length + count >= block else "tail_partial"] += 1
+            seen["full_blocks"] += rest >= block
+            seen["new_tail"] += (length is None or length + count >= block) and rest % block > 0
+        return result
+
+    reverted.setattr(batched_commit, "_select_multi", recording)
+    _run(range(0, 12))
+    expected = (
+        "direct",
+        "materialise",
+        "no_output",
+        "fallback",
+        "tail_completed",
+        "tail_partial",
+        "full_blocks",
+        "new_tail",
+    )
+    assert all(seen[name] for name in expected), seen
+
+
+def _gap_step(reference: bool, case: str) -> tuple[Any, Any]:
+    """One step of a decode ("d", fast) and a 6-token chunk ("p") that upstream's capture
+    refuses: (the error upstream raises or None, the worker state afterwards)."""
+    shape = harness.Shape(block=4, token_shape=(3, 2), dtype=np.uint16)
+    connector = harness.make_connector(shape, reference)
+    state = aux_worker._WorkerRequestState
+    connector._requests["d"] = state(capture_cursor=4, scheduled_cursor=4, emit_cursor=4)
+    start = {"gap": 5, "unaligned": 3, "no_slot": 4}[case]
+    connector._requests["p"] = state(
+        capture_cursor=None if case == "unaligned" else start, emit_cursor=start
+    )
+    if case == "gap":  # tokens 0-1 buffered, 2-4 never captured
+        connector._buffer.capture("p", 0, np.ones((2, 3, 2), np.uint16))
+    if case == "no_slot":  # every slot but d's new tail taken: p's rest has none
+        del connector._buffer._free_slots[1:]
+    rows = np.arange(7 * 6, dtype=np.uint16).reshape(7, 3, 2)
+    pending = _decode_pending(connector, ["d", "p"], [4, start], [0, 1, 7], rows)
+    for request_id in ("d", "p"):
+        connector._requests[request_id].pending_outputs += 1
+    connector._pending_outputs.append(pending)
+    error = None
+    try:
+        connector.process_output(pending)
+    except AssertionError as caught:
+        error = harness.error_of(caught)
+    result = error, harness.worker_state(connector)[1]["p"]
+    connector.close()
+    return result
+
+
+@pytest.mark.parametrize("case", ["gap", "unaligned", "no_slot"])
+def test_a_capture_upstream_refuses_goes_to_upstream(
+    reverted: pytest.MonkeyPatch, case: str
+) -> None:
+    """A multi-token capture that is not contiguous with its tail, starts unaligned
+    without one, or needs a slot the buffer lacks is left to upstream's loop, which
+    raises its own assertion (counted as ``multi_token_tail``)."""
+    expected = _gap_step(reference=True, case=case)
+    assert expected[0] is not None and expected[0][0] == "AssertionError", expected
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    assert _gap_step(reference=False, case=case) == expected
+    counts = batched_commit.COUNTERS.snapshot()
+    assert counts["fallback_reasons"] == {"multi_token_tail": 1}, counts
+    assert counts["fast_requests"] == 1 and counts["fast_multi_token"] == 0, counts
+
+
+def _declared_connector() -> Any:
+    """A patched-side connector whose current step metadata declares the packed reader."""
+    from prime_r3.packed import FORMAT_VERSION, READS_MARK
+
+    connector = harness.make_connector(harness.Shape(), reference=False)
+    metadata = AuxOutputConnectorMetadata(0, {}, {}, ())
+    setattr(metadata, READS_MARK, FORMAT_VERSION)
+    connector._step_metadata = metadata
+    return connector
+
+
+def _uncached_answer(connector: Any) -> bool:
+    """What ``_packing_in_force`` answered before it was cached: the walk every step."""
+    import inspect
+
+    from prime_r3 import state
+    from prime_r3.packed import reader_declared
+
+    attr = inspect.getattr_static(type(connector), "process_output", None)
+    return "packed_outputs" in state.wrapped_by(attr) and reader_declared(connector._step_metadata)
+
+
+def test_packing_answer_is_cached_and_never_stale(reverted: pytest.MonkeyPatch) -> None:
+    """``_packing_in_force`` walks the records once, then answers from its cache (before:
+    ``state.wrapped_by`` every step); the answer follows apply, revert, a foreign wrapper
+    around ours, and a layer made a pass-through, each time equal to the uncached walk."""
+    from prime_r3 import state
+
+    walks = Counter[str]()
+    wrapped_by = state.wrapped_by
+
+    def counting(obj: Any) -> tuple[str, ...]:
+        walks["wrapped_by"] += 1
+        return wrapped_by(obj)
+
+    reverted.setattr(state, "wrapped_by", counting)
+    batched_commit._PACKING_WRAPS.clear()
+    connector = _declared_connector()
+    cls = aux_worker.AuxOutputWorkerConnector
+
+    def check(expected: bool) -> None:
+        assert batched_commit._packing_in_force(connector) is expected
+        assert _uncached_answer(connector) is expected
+
+    check(False)  # nothing applied
+    _apply("packed_outputs", "batched_commit")
+    check(True)
+    walks.clear()
+    for _ in range(5):
+        assert batched_commit._packing_in_force(connector) is True
+    assert walks["wrapped_by"] == 0, walks  # answered from the cache
+
+    prime_r3.revert(["packed_outputs"])
+    check(False)
+    _apply("packed_outputs")
+    check(True)
+
+    ours = cls.__dict__["process_output"]
+    foreign = wrapt.FunctionWrapper(ours, lambda wrapped, instance, args, kwargs: None)
+    setattr(cls, "process_output", foreign)  # noqa: B010 - a foreign layer around ours
+    try:
+        check(False)
+    finally:
+        setattr(cls, "process_output", ours)  # noqa: B010
+    check(True)
+
+    # The same object, its record now a pass-through (what an import rollback leaves).
+    reverted.setitem(state._inert, "packed_outputs", dict(state._active["packed_outputs"]))
+    check(False)
+    del state._inert["packed_outputs"]
+    check(True)
+
+    batched_commit._PACKING_WRAPS.clear()
+    prime_r3.revert()
+    check(False)
+
+
+def test_packing_cache_keeps_no_reverted_wrapper_alive(reverted: pytest.MonkeyPatch) -> None:
+    """The cache holds its layers by weak reference: after a revert, the wrapper it saw
+    is freed (upstream's class no longer holds it, so neither may we)."""
+    import gc
+    import weakref
+
+    _apply("packed_outputs", "batched_commit")
+    connector = _declared_connector()
+    assert batched_commit._packing_in_force(connector) is True
+    layer = weakref.ref(aux_worker.AuxOutputWorkerConnector.__dict__["process_output"])
+    prime_r3.revert()
+    gc.collect()
+    assert layer() is None

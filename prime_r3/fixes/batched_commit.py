@@ -24,9 +24,16 @@ pairs, in batch order. The step's output is built directly from the snapshot: on
 ``take`` of the fast rows into a ``PackedAuxOutputs`` when ``packed_outputs`` is in
 force in this process, else upstream's dict of ``AuxRequestOutput`` views.
 
-Every other request of the step (prefill chunks, speculative-decode rejected suffixes,
-capture rewinds, emits from the store, first captures, gaps upstream asserts on, ...)
-goes through upstream's ``_commit_output`` itself, in the same step, on a
+Multi-token requests (prefill chunks, drafts with nothing rejected) whose capture is
+plain are fast too (``_select_multi``: first capture or cursor at the token start, the
+rows continue the buffered tail or start aligned, a free slot): upstream's ``capture``
+and loop body done on its objects, full blocks as views of the snapshot, and an output
+read back from the store/tail after the step's one publication (a prefix hit) only when
+no request of the step goes to upstream, so every read-back is in upstream's order.
+
+Every other request of the step (speculative-decode rejected suffixes, capture
+rewinds, one-token emits from the store, first one-token captures, gaps upstream
+asserts on, ...) goes through upstream's ``_commit_output`` itself, in the same step, on a
 ``PendingAuxOutput`` holding just those requests (``dataclasses.replace``; its rows are
 a view of the snapshot when they are contiguous, else one gather). A step that does not
 look like upstream's contract at all (mismatched lengths, duplicate ids, a token count
@@ -44,6 +51,9 @@ Differences from upstream, and why they are not observable:
   fast one's rows, and a later prefix hit emitted them.)
 * Dict order: direct outputs in batch order, then outputs materialised from the store
   or buffer (as upstream's), since upstream's order is kept.
+* Buffer slots: fast requests' new tails take their slots before the fallback
+  requests' (upstream: in batch order). A slot's index is never read back: rows are
+  copied out of it (``read``, ``tobytes``, ``retain_block``).
 
 Counters (``COUNTERS``) say which requests were ours and which upstream's, by reason.
 """
@@ -55,6 +65,7 @@ import dataclasses
 import inspect
 import logging
 import operator
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -85,11 +96,12 @@ class Counters:
     """How many requests the fast path committed and how many went to upstream, by reason.
 
     Process-wide (every connector in the process adds to it); ``snapshot()`` is what
-    the bench and the tests read. Reasons: ``multi_token`` (prefill chunk or speculative
-    tokens), ``rejected``, ``not_sampled``, ``cursor`` (capture/emit cursor not at the
-    token start: rewind, store emit, prompt start, first capture, no state), ``tail``
-    (not contiguous with the buffered tail, unaligned new block, no free slot),
-    ``step`` (the whole step went to upstream).
+    the bench and the tests read. batched_commit's reasons for one-token requests:
+    ``rejected``, ``not_sampled``, ``cursor`` (capture/emit cursor not at the token
+    start: rewind, store emit, prompt start, first capture, no state), ``tail`` (not
+    contiguous with the buffered tail, unaligned new block, no free slot); for
+    multi-token ones the ``multi_token_*`` reasons of ``_select_multi``; ``step`` (the
+    whole step went to upstream).
     """
 
     def __init__(self) -> None:
@@ -124,7 +136,29 @@ class Counters:
             }
 
 
-COUNTERS = Counters()
+class CommitCounters(Counters):
+    """batched_commit's counters: also how many of the fast requests had more than one
+    token (prefill chunks, drafts with nothing rejected: ``fast_multi_token``)."""
+
+    def reset(self) -> None:
+        super().reset()
+        with self._lock:
+            self.fast_multi_token = 0
+
+    def add(self, fast: int, reasons: Mapping[str, int], multi_token: int = 0) -> None:
+        super().add(fast, reasons)
+        if multi_token:
+            with self._lock:
+                self.fast_multi_token += multi_token
+
+    def snapshot(self) -> dict[str, Any]:
+        snapshot = super().snapshot()
+        with self._lock:
+            snapshot["fast_multi_token"] = self.fast_multi_token
+        return snapshot
+
+
+COUNTERS = CommitCounters()
 
 
 def _root(array: Any) -> Any:
@@ -148,9 +182,102 @@ def _packing_in_force(connector: Any) -> bool:
     from prime_r3.packed import reader_declared
 
     # packed_outputs' wrapper among ours on process_output (another patch may stack there).
-    return "packed_outputs" in prime_state.wrapped_by(
-        inspect.getattr_static(type(connector), "process_output", None)
-    ) and reader_declared(getattr(connector, "_step_metadata", None))
+    return _PACKING_WRAPS.packed(type(connector)) and reader_declared(
+        getattr(connector, "_step_metadata", None)
+    )
+
+
+_EMPTY: dict[str, Any] = {}
+
+
+class _PackingWraps:
+    """``"packed_outputs" in state.wrapped_by(<the class's process_output>)``, cached.
+
+    ``wrapped_by`` finds each layer by identity in every patch's records (no lock, by
+    design), ~6 us per step warm and 20-50 us under load at N=400: a large share of a
+    decode step's remaining cost on the output thread. The answer depends only on the
+    class attribute and on the records of the layers the walk passes, so it is kept with
+    that walk: per layer, its patch and key, whether it was in force and whether a
+    pass-through, and what lies under it (``state._under``: a plain layer's recorded
+    inner, a wrapt layer's live ``__wrapped__``). Each call checks, in a few dict
+    lookups, that the class attribute is the same object and every one of those still
+    holds; anything else (apply, revert, a patch stacked or removed, a layer made a
+    pass-through or dropped, a foreign wrapper around or under ours, a re-pointed
+    ``__wrapped__``) walks again. The object the walk stopped at was no record's: the
+    layer records only wrappers it has just built, so an existing object never becomes
+    ours. Everything is held by weak reference (nothing kept alive past a revert);
+    objects that refuse one are not cached. One entry (one connector class per process).
+    """
+
+    def __init__(self) -> None:
+        self._entry: tuple[Any, ...] | None = None
+
+    def packed(self, cls: type) -> bool:
+        attr = cls.__dict__.get("process_output", _EMPTY)
+        if attr is _EMPTY:  # inherited: not the connector class itself, do not cache
+            return "packed_outputs" in prime_state.wrapped_by(
+                inspect.getattr_static(cls, "process_output", None)
+            )
+        entry = self._entry
+        if entry is not None and entry[0]() is attr and _links_hold(entry[1]):
+            return entry[2]
+        return self._walk(attr)
+
+    def _walk(self, attr: Any) -> bool:
+        import weakref
+
+        links = []
+        obj = attr
+        while len(links) < prime_state._MAX_LAYERS:
+            where = prime_state._find_any(obj)
+            if where is None:
+                break
+            name, key = where
+            below = prime_state._under(name, key, obj)
+            links.append(
+                (
+                    name,
+                    key,
+                    obj,
+                    below,
+                    prime_state._active.get(name, _EMPTY).get(key) is obj,
+                    prime_state._inert.get(name, _EMPTY).get(key) is obj,
+                )
+            )
+            obj = below
+        answer = any(name == "packed_outputs" for name, *_, inert in links if not inert)
+        if answer != ("packed_outputs" in prime_state.wrapped_by(attr)):
+            return "packed_outputs" in prime_state.wrapped_by(attr)  # changing right now
+        try:
+            held = tuple(
+                (name, key, weakref.ref(layer), weakref.ref(below), active, inert)
+                for name, key, layer, below, active, inert in links
+            )
+            self._entry = (weakref.ref(attr), held, answer)
+        except TypeError:  # an object without weak references: not cached
+            self._entry = None
+        return answer
+
+    def clear(self) -> None:
+        self._entry = None
+
+
+def _links_hold(links: tuple[Any, ...]) -> bool:
+    """Whether every layer of a cached walk is still recorded as it was, over the same
+    object (see ``_PackingWraps``)."""
+    for name, key, layer_ref, below_ref, active, inert in links:
+        layer = layer_ref()
+        if (
+            layer is None
+            or (prime_state._active.get(name, _EMPTY).get(key) is layer) is not active
+            or (prime_state._inert.get(name, _EMPTY).get(key) is layer) is not inert
+            or prime_state._under(name, key, layer) is not below_ref()
+        ):
+            return False
+    return True
+
+
+_PACKING_WRAPS = _PackingWraps()
 
 
 def _whole_step_reason(connector: Any, pending: Any) -> str | None:
@@ -218,23 +345,42 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
             fast_rows = qsl[fast]
         buffer_rows[slots, locals_] = _rows_at(rows, fast_rows)
 
+        multi: _Multi | None = None
         if len(fast) + len(fallback) != n:
-            if not decode.all():
-                not_decode = ~decode
-                reasons["multi_token"] += int((not_decode & (num_tokens != 1)).sum())
-                reasons["rejected"] += int((not_decode & (num_tokens == 1) & (rejected != 0)).sum())
-                reasons["not_sampled"] += int(
-                    (not_decode & (num_tokens == 1) & (rejected == 0) & (sampled <= 0)).sum()
+            not_decode = ~decode
+            single = not_decode & (num_tokens == 1)
+            if single.any():
+                reasons["rejected"] += int((single & (rejected != 0)).sum())
+                reasons["not_sampled"] += int((single & (rejected == 0) & (sampled <= 0)).sum())
+                fallback.extend(np.flatnonzero(single).tolist())
+            several = np.flatnonzero(not_decode & (num_tokens > 1)).tolist()
+            if several:
+                multi = _select_multi(
+                    instance,
+                    ids,
+                    several,
+                    (qsl, token_starts, sampled, rejected, rows),
+                    bool(fallback),
+                    reasons,
+                    (AuxRequestOutput, _RequestTail),
                 )
-                fallback.extend(np.flatnonzero(not_decode).tolist())
+                fallback.extend(multi.fallback)
+                if multi.at:  # their (state, completed) pairs join the publication
+                    published_at, published = _merge_pairs(
+                        published_at, published, multi.at, multi.pairs
+                    )
             fallback.sort()
-        COUNTERS.add(len(fast), reasons)
+        fast_multi = 0 if multi is None else len(multi.at)
+        COUNTERS.add(len(fast) + fast_multi, reasons, multi_token=fast_multi)
 
         direct: list[tuple[int, str, Any]] = []
         materialised: list[tuple[str, Any]] = []
         if not fallback:
             if published:  # upstream's own publication, same pairs, batch order
                 instance._publish_blocks(published)
+            if multi is not None and multi.materialise:
+                # After the one publication, in batch order, as upstream's loop does.
+                materialised = _materialise(instance, multi.materialise, AuxRequestOutput)
         else:
             sub, sub_rows = _sub_step(pending, fallback, qsl, num_tokens, token_starts)
             sub_root = _root(sub_rows)
@@ -247,6 +393,12 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
                     direct.append((position[request_id], request_id, output))
                 else:
                     materialised.append((request_id, output))
+        if multi is not None and multi.direct:
+            direct = (
+                sorted(direct + multi.direct, key=operator.itemgetter(0))
+                if direct
+                else multi.direct
+            )
 
         if _packing_in_force(instance):
             return _packed(
@@ -409,6 +561,220 @@ def _select(
                 published.append((state, []))
             published_at.append(fast[i])
     return fast, fallback, slots, fast_lengths, published, published_at
+
+
+@dataclasses.dataclass
+class _Multi:
+    """What ``_select_multi`` did to a step's multi-token requests (batch positions)."""
+
+    #: Committed here, in batch order, with their ``(state, completed)`` pairs.
+    at: list[int]
+    pairs: list[Any]
+    #: Outputs cut from the snapshot, as (position, request id, AuxRequestOutput).
+    direct: list[tuple[int, str, Any]]
+    #: (request id, emit start, token end) to read back after the publication.
+    materialise: list[tuple[str, int, int]]
+    #: Left to upstream's ``_commit_output``.
+    fallback: list[int]
+
+
+def _select_multi(
+    connector: Any,
+    ids: list[str],
+    positions: list[int],
+    step: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    other_fallback: bool,
+    reasons: Counter[str],
+    classes: tuple[Any, Any],
+) -> _Multi:
+    """Commit the multi-token requests at ``positions`` (a prefill chunk, or drafts with
+    nothing rejected) exactly as upstream's loop body does, or leave them to upstream.
+
+    Covered: a known state whose capture cursor is unset (first capture) or at the token
+    start, nothing rejected, and a capture ``RoutedExpertsBuffer.capture`` accepts (the
+    buffered tail ends at the token start, or there is none and the start is aligned; a
+    free slot for a new tail). What ``capture`` then does, done here: the tail is filled
+    and, once full, handed over as a block (its slot to ``_owned_slots`` under the block
+    view's id); then full aligned blocks as views of the snapshot; the rest starts a new
+    tail. Cursors and the output follow ``_commit_output``: capture and scheduled cursor
+    to the token end; with a token sampled and the emit cursor within reach, an output cut
+    from the snapshot (emit cursor at or after the token start) or read back after the
+    publication (before it: a prefix hit, upstream's ``materialize_routed_experts``).
+
+    Upstream reads back all such outputs after all requests' captures and the one
+    publication, in batch order, and each read moves the store's LRU: a request that
+    reads back is covered only when no other request of the step goes to upstream
+    (``multi_token_mixed``), so every read happens here, in upstream's order. Reasons for
+    the others: ``multi_token_rejected`` (a rejected suffix), ``multi_token_cursor`` (no
+    state, capture cursor elsewhere: a re-attach or rewind; negative start),
+    ``multi_token_tail`` (not contiguous with the tail, unaligned start without a tail,
+    no free slot).
+    """
+    qsl, token_starts, sampled, rejected, rows = step
+    aux_output, request_tail = classes
+    buffer = connector._buffer
+    block_size = buffer.block_size
+    tails = buffer._requests
+    free_slots = buffer._free_slots
+    states = connector._requests
+    chosen: list[tuple[int, Any, Any, int, int, int, int]] = []
+    fallback: list[int] = []
+    for j in positions:
+        request_id = ids[j]
+        start, end = int(qsl[j]), int(qsl[j + 1])
+        token_start = int(token_starts[j])
+        if int(rejected[j]):
+            reasons["multi_token_rejected"] += 1
+            fallback.append(j)
+            continue
+        state = states.get(request_id)
+        if (
+            state is None
+            or token_start < 0
+            or (state.capture_cursor is not None and state.capture_cursor != token_start)
+        ):
+            reasons["multi_token_cursor"] += 1
+            fallback.append(j)
+            continue
+        tail = tails.get(request_id)
+        if tail is None:
+            contiguous = token_start % block_size == 0
+        else:
+            contiguous = (
+                tail.block_start + tail.length == token_start
+                and tail.block_start % block_size == 0
+                and 0 <= tail.length < block_size
+            )
+        if not contiguous:
+            reasons["multi_token_tail"] += 1
+            fallback.append(j)
+            continue
+        token_end = token_start + end - start
+        emit = state.emit_cursor
+        # 0: no output; 1: cut from the snapshot; 2: read back after the publication.
+        kind = 0
+        if int(sampled[j]) > 0 and emit <= token_end:
+            kind = 1 if emit >= token_start else 2
+        chosen.append((j, state, tail, token_start, start, end, kind))
+
+    def drop(reason: str, which: Any) -> None:
+        nonlocal chosen
+        keep = []
+        for item in chosen:
+            if which(item):
+                reasons[reason] += 1
+                fallback.append(item[0])
+            else:
+                keep.append(item)
+        chosen = keep
+
+    if other_fallback or fallback:
+        drop("multi_token_mixed", lambda item: item[6] == 2)
+    # A new tail for every capture whose end is not aligned, unless it stays in its tail.
+    slots = len(free_slots)
+    short = False
+    for _j, _, tail, token_start, start, end, _ in chosen:
+        token_end = token_start + end - start
+        if token_end % block_size and (tail is None or token_end - tail.block_start >= block_size):
+            slots -= 1
+            if slots < 0:  # upstream asserts "pool is exhausted" for it: let it
+                short = True
+    if short:
+        drop("multi_token_tail", lambda item: True)
+    if fallback and chosen:
+        drop("multi_token_mixed", lambda item: item[6] == 2)
+
+    rows_of = buffer._rows
+    owned_slots = buffer._owned_slots
+    at: list[int] = []
+    pairs: list[Any] = []
+    direct: list[tuple[int, str, Any]] = []
+    materialise: list[tuple[str, int, int]] = []
+    for j, state, tail, token_start, start, end, kind in chosen:
+        request_id = ids[j]
+        captured = rows[start:end]
+        count = end - start
+        completed: list[tuple[int, np.ndarray]] = []
+        offset = 0
+        if tail is not None:  # fill the buffered tail first
+            local = tail.length
+            offset = min(block_size - local, count)
+            rows_of[tail.slot, local : local + offset] = captured[:offset]
+            tail.length = local + offset
+            if tail.length == block_size:
+                block = rows_of[tail.slot]
+                del tails[request_id]
+                owned_slots[id(block)] = tail.slot
+                completed.append((tail.block_start, block))
+        full_end = offset + (count - offset) // block_size * block_size
+        completed.extend(
+            (token_start + at_, captured[at_ : at_ + block_size])
+            for at_ in range(offset, full_end, block_size)
+        )
+        if full_end < count:  # the rest starts a new tail (RoutedExpertsBuffer._tail)
+            new_tail = request_tail(free_slots.pop(), token_start + full_end)
+            tails[request_id] = new_tail
+            rows_of[new_tail.slot, : count - full_end] = captured[full_end:]
+            new_tail.length = count - full_end
+        token_end = token_start + count
+        state.capture_cursor = token_end
+        state.scheduled_cursor = token_end
+        at.append(j)
+        pairs.append((state, completed))
+        if kind == 1:
+            emit = state.emit_cursor
+            direct.append((j, request_id, aux_output(emit, captured[emit - token_start :])))
+            state.emit_cursor = token_end
+        elif kind == 2:
+            materialise.append((request_id, state.emit_cursor, token_end))
+    return _Multi(at, pairs, direct, materialise, fallback)
+
+
+def _merge_pairs(
+    at: list[int], pairs: list[Any], more_at: list[int], more: list[Any]
+) -> tuple[list[int], list[Any]]:
+    """Two position-sorted lists of publication pairs as one, in batch order."""
+    if not at:
+        return list(more_at), list(more)
+    merged = sorted(
+        [*zip(at, pairs, strict=True), *zip(more_at, more, strict=True)],
+        key=operator.itemgetter(0),
+    )
+    return [j for j, _ in merged], [pair for _, pair in merged]
+
+
+def _materialise(
+    connector: Any, pending: list[tuple[str, int, int]], aux_output: Any
+) -> list[tuple[str, Any]]:
+    """``_commit_output``'s read-back of outputs that start before the capture (after the
+    step's one publication, in batch order): the stored blocks through the worker
+    module's ``materialize_routed_experts`` (looked up per call, as upstream's loop does),
+    then the buffered tail; the emit cursor moves to the token end after each."""
+    buffer = connector._buffer
+    store = connector._store
+    block_size = buffer.block_size
+    materialize = sys.modules[_WORKER].materialize_routed_experts
+    outputs: list[tuple[str, Any]] = []
+    for request_id, emit_start, token_end in pending:
+        state = connector._requests[request_id]
+        stored_end = min(token_end // block_size, len(state.aux_output_keys)) * block_size
+        if emit_start < stored_end:
+            first_block = emit_start // block_size
+            stored = materialize(
+                store,
+                state.aux_output_keys[first_block : stored_end // block_size],
+                shape_per_token=buffer.shape_per_token,
+                dtype=buffer.dtype,
+            )
+            local_start = emit_start % block_size
+            rows = stored[local_start : local_start + stored_end - emit_start]
+            if stored_end < token_end:
+                rows = np.concatenate((rows, buffer.read(request_id, stored_end, token_end)))
+        else:
+            rows = buffer.read(request_id, emit_start, token_end)
+        outputs.append((request_id, aux_output(emit_start, rows)))
+        state.emit_cursor = token_end
+    return outputs
 
 
 @contextlib.contextmanager
@@ -646,8 +1012,8 @@ _REQUEST_TAIL = frozenset({"81eb99451d75a944"})
 
 SPEC = PatchSpec(
     name="batched_commit",
-    summary="output worker commits the common decode step with array operations; "
-    "other requests go to upstream's _commit_output in the same step",
+    summary="output worker commits the common decode step with array operations, and "
+    "plain multi-token captures; other requests go to upstream's _commit_output in the same step",
     vllm_range=">=0.31,<0.34",
     # Commits in the output worker; the packed output it builds is read in EngineCore.
     processes=frozenset({Process.WORKER, Process.ENGINE_CORE}),

@@ -1,0 +1,161 @@
+"""One bench-like output-worker step through ``process_output``, arms interleaved in one process.
+
+    .venv/bin/python scripts/bench_commit_step.py [--iterations 150] [-n 400]
+
+Why: ``scripts/bench_aux_ab.py`` (whole bench loop, fresh interpreters) is the honest
+end-to-end comparison, but on this shared machine its noise control (``begin_step``,
+``prepare_output``, code neither arm changes) moves 10-30% between arms, more than
+batched_commit's multi-token path and packing cache can save. Here every arm runs the
+same step from the same state, one after another within each iteration (order
+alternating), so load drift hits them alike; ``old_again`` repeats ``old`` as the
+noise control.
+
+The step: ``-n`` decodes (buffered tails of every length) and one prompt after a
+prefix hit (496 tokens cached, 16 new, its output read back from the store), as most
+of ``prime-r3 bench``'s multi-token requests are; every patch applied, packed steps
+declared. Arms: ``new`` (as committed), ``no_multi`` (multi-token requests forced to
+upstream's ``_commit_output``, as before the multi-token path), ``no_cache``
+(``state.wrapped_by`` walked every step, as before the cache), ``old`` (both),
+``old_again``. Printed: medians of main-thread CPU per step (us) and the median of the
+per-iteration ratio to ``old``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+BLOCK, TOKEN_SHAPE, CACHED = 16, (46, 8), 496
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iterations", type=int, default=150)
+    parser.add_argument("-n", type=int, default=400, help="decodes in the step")
+    args = parser.parse_args()
+    if args.iterations < 6:
+        parser.error(f"--iterations must be at least 6 (5 are warm-up), got {args.iterations}")
+
+    import numpy as np
+
+    import prime_r3
+
+    prime_r3.apply(log=False)
+    from vllm.distributed.aux_output_connector import worker
+    from vllm.distributed.aux_output_connector.connector import (
+        AuxOutputConnectorMetadata,
+        PackedBlockHashes,
+    )
+    from vllm.distributed.aux_output_connector.store import BlockObject
+
+    from prime_r3 import state
+    from prime_r3.fixes import batched_commit
+    from prime_r3.packed import FORMAT_VERSION, READS_MARK
+    from tests import batched_harness as harness
+
+    n = args.n
+    shape = harness.Shape(
+        block=BLOCK,
+        token_shape=TOKEN_SHAPE,
+        dtype=np.uint8,
+        max_num_seqs=n + 64,
+        max_batched_tokens=2048,
+        store_slots=8192,
+    )
+    rng = np.random.default_rng(0)
+    hashes = [i.to_bytes(8, "little") for i in range(CACHED // BLOCK + 1)]
+    keys = [f"vllm-artifact/0/{h.hex()}" for h in hashes]
+    block_nbytes = BLOCK * int(np.prod(TOKEN_SHAPE))
+
+    def setup() -> tuple[Any, Any]:
+        connector = harness.make_connector(shape, reference=False)
+        ids = [f"d{i}" for i in range(n)]
+        starts = [600 + i for i in range(n)]
+        metadata = AuxOutputConnectorMetadata(
+            0,
+            {**dict(zip(ids, starts, strict=True)), "p": 0},
+            {"p": PackedBlockHashes(b"".join(hashes), 8)},
+            (),
+        )
+        setattr(metadata, READS_MARK, FORMAT_VERSION)
+        cached = keys[: CACHED // BLOCK]
+        payloads = rng.integers(0, 128, (len(cached), block_nbytes), dtype=np.uint8)
+        connector._store.put(
+            [BlockObject(k, p.tobytes()) for k, p in zip(cached, payloads, strict=True)],
+            retain_keys=cached,
+        )
+        connector.begin_step(metadata)
+        for request_id, start in zip(ids, starts, strict=True):
+            request = connector._requests[request_id]
+            request.capture_cursor = request.scheduled_cursor = request.emit_cursor = start
+            if start % BLOCK:
+                rows = np.zeros((start % BLOCK, *TOKEN_SHAPE), np.uint8)
+                connector._buffer.capture(request_id, start - start % BLOCK, rows)
+        for request_id in [*ids, "p"]:
+            connector._requests[request_id].pending_outputs += 1
+        pending = worker.PendingAuxOutput(
+            connector=connector,
+            request_ids=[*ids, "p"],
+            token_starts=np.array([*starts, CACHED], np.int32),
+            query_start_loc=np.array([*range(n + 1), n + BLOCK], np.int32),
+            routed_experts_gpu=None,  # type: ignore[arg-type]
+            routed_experts=rng.integers(0, 128, (n + BLOCK, *TOKEN_SHAPE), dtype=np.uint8),
+            num_sampled=np.ones(n + 1, np.int32),
+            num_rejected=np.zeros(n + 1, np.int32),
+        )
+        connector._pending_outputs.append(pending)
+        return connector, pending
+
+    select_multi = batched_commit._select_multi
+    cached_answer = batched_commit._PACKING_WRAPS.packed
+
+    def no_multi(connector: Any, ids: Any, positions: list[int], *rest: Any) -> Any:
+        rest[2]["multi_token"] += len(positions)  # reasons
+        return batched_commit._Multi([], [], [], [], list(positions))
+
+    def walked(cls: type) -> bool:
+        attr = inspect.getattr_static(cls, "process_output", None)
+        return "packed_outputs" in state.wrapped_by(attr)
+
+    arms = {
+        "new": (select_multi, cached_answer),
+        "no_multi": (no_multi, cached_answer),
+        "no_cache": (select_multi, walked),
+        "old": (no_multi, walked),
+        "old_again": (no_multi, walked),
+    }
+    names = list(arms)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for iteration in range(args.iterations):
+        for name in names if iteration % 2 == 0 else names[::-1]:
+            connector, pending = setup()
+            batched_commit._select_multi, batched_commit._PACKING_WRAPS.packed = arms[name]
+            began = time.thread_time_ns()
+            outputs = connector.process_output(pending)
+            spent = time.thread_time_ns() - began
+            assert len(outputs) == n + 1
+            connector.close()
+            if iteration >= 5:
+                times[name].append(spent / 1e3)
+    batched_commit._select_multi, batched_commit._PACKING_WRAPS.packed = arms["new"]
+    print(
+        f"{args.iterations - 5} iterations, {n} decodes + 1 prefix-hit prompt, "
+        "process_output main-thread CPU (us)"
+    )
+    for name in names:
+        paired = statistics.median(a / b for a, b in zip(times[name], times["old"], strict=True))
+        print(f"{name:>10}: median {statistics.median(times[name]):8.1f}   paired/old {paired:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -583,3 +583,51 @@ def test_new_tails_get_upstreams_slots(reverted: pytest.MonkeyPatch, order: str)
     assert _slot_step(reference=False, order=order) == expected
     counts = batched_commit.COUNTERS.snapshot()
     assert counts["fast_requests"] == len(order) - order.count("A"), counts
+
+
+def _tail_step(reference: bool, block_start: int, length: int) -> tuple[Any, Any]:
+    """A decode "D" at the token after a buffered tail (``block_start``, ``length``) that
+    ``RoutedExpertsBuffer`` never builds itself (its tails start on a block boundary and
+    hold less than a block), after a plain decode "E": (upstream's error or None, the
+    worker state afterwards)."""
+    from vllm.distributed.aux_output_connector.routed_experts import _RequestTail
+
+    connector = harness.make_connector(harness.Shape(block=4), reference)
+    state = aux_worker._WorkerRequestState
+    start_d = block_start + length
+    for request_id, start in (("D", start_d), ("E", 4)):
+        connector._requests[request_id] = state(
+            capture_cursor=start, scheduled_cursor=start, emit_cursor=start, pending_outputs=1
+        )
+    buffer = connector._buffer
+    buffer._requests["D"] = _RequestTail(buffer._free_slots.pop(), block_start, length)
+    buffer._rows[buffer._requests["D"].slot] = 1
+    rows = np.arange(2 * 6, dtype=np.uint16).reshape(2, 3, 2)
+    # E first: upstream commits it, then asserts on D (what a fast E after D would not
+    # match: the fast path commits every fast request before upstream's loop runs).
+    pending = _decode_pending(connector, ["E", "D"], [4, start_d], [0, 1, 2], rows)
+    connector._pending_outputs.append(pending)
+    error = None
+    try:
+        connector.process_output(pending)
+    except AssertionError as caught:
+        error = harness.error_of(caught)
+    result = error, harness.worker_state(connector)
+    connector.close()
+    return result
+
+
+@pytest.mark.parametrize(("block_start", "length"), [(3, 2), (4, 4)], ids=["unaligned", "full"])
+def test_a_decode_on_a_tail_upstream_refuses_goes_to_upstream(
+    reverted: pytest.MonkeyPatch, block_start: int, length: int
+) -> None:
+    """A tail that ends at the token start but does not start on its block boundary (or
+    holds a whole block) makes upstream's ``_tail`` assert; the decode fast path only
+    checked that the tail ends at the token start and committed it (found by review; the
+    multi-token path already checked both)."""
+    expected = _tail_step(reference=True, block_start=block_start, length=length)
+    assert expected[0] is not None and "skipped an incomplete block" in expected[0][1]
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    assert _tail_step(reference=False, block_start=block_start, length=length) == expected
+    assert batched_commit.COUNTERS.snapshot()["fallback_reasons"] == {"tail": 1}

@@ -488,7 +488,12 @@ def _select(
     block_starts = np.fromiter([tail.block_start for tail in tail_list], np.int64, m)
     lengths = np.fromiter([tail.length for tail in tail_list], np.int64, m)
     has_tail = block_starts != _MISSING.block_start
-    ok_tail = np.where(has_tail, block_starts + lengths == starts, starts % block_size == 0)
+    # Upstream's _tail and capture accept a tail only where the token start falls in it,
+    # at its length: the tail starts on the token's block boundary and ends at the token.
+    local = starts % block_size
+    ok_tail = np.where(
+        has_tail, (block_starts + lengths == starts) & (lengths == local), local == 0
+    )
     if captures == starts_list and emits == starts_list:
         ok = ok_tail
     else:

@@ -330,6 +330,7 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
         if selected is None:
             return _upstream_step(wrapped, args, kwargs, pending)
         fast, fallback, slots, locals_, published, published_at, created = selected
+        decode_created = len(created)  # in batch order among themselves
         buffer_rows = instance._buffer._rows
         if fast[-1] - fast[0] + 1 == len(fast):  # one run: a view, no list conversion
             fast_rows = qsl[fast[0] : fast[-1] + 1]
@@ -394,7 +395,7 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
                     direct.append((position[request_id], request_id, output))
                 else:
                     materialised.append((request_id, output))
-        if len(created) > 1:
+        if len(created) > max(decode_created, 1):  # tails from more than the decode path
             _slots_in_batch_order(instance._buffer, created)
         if multi is not None and multi.direct:
             direct = (

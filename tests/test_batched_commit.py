@@ -631,3 +631,44 @@ def test_a_decode_on_a_tail_upstream_refuses_goes_to_upstream(
     batched_commit.COUNTERS.reset()
     assert _tail_step(reference=False, block_start=block_start, length=length) == expected
     assert batched_commit.COUNTERS.snapshot()["fallback_reasons"] == {"tail": 1}
+
+
+def _failing_step(reference: bool) -> tuple[Any, Any]:
+    """A request "X" whose capture upstream refuses (an unbacked gap: capture cursor 2,
+    nothing scheduled past it, token start 5) ahead of a plain decode "D": (the error,
+    the worker state after process_output raised)."""
+    connector = harness.make_connector(harness.Shape(block=4), reference)
+    state = aux_worker._WorkerRequestState
+    connector._requests["X"] = state(
+        capture_cursor=2, scheduled_cursor=2, emit_cursor=2, pending_outputs=1
+    )
+    connector._requests["D"] = state(
+        capture_cursor=4, scheduled_cursor=4, emit_cursor=4, pending_outputs=1
+    )
+    rows = np.arange(2 * 6, dtype=np.uint16).reshape(2, 3, 2)
+    pending = _decode_pending(connector, ["X", "D"], [5, 4], [0, 1, 2], rows)
+    connector._pending_outputs.append(pending)
+    error = None
+    try:
+        connector.process_output(pending)
+    except AssertionError as caught:
+        error = harness.error_of(caught)
+    result = error, harness.worker_state(connector)
+    connector.close()
+    return result
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="reproducer (review): when upstream's loop asserts on a request, the fast "
+    "requests after it in batch order are already committed here (upstream leaves them "
+    "untouched); the worker is dead after the error either way. Not fixed: fixing it "
+    "means committing nothing fast after the first fallback request.",
+)
+def test_an_assertion_leaves_later_requests_as_upstream_does(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    expected = _failing_step(reference=True)
+    assert expected[0] is not None and "unbacked token gap" in expected[0][1]
+    _apply("batched_commit")
+    assert _failing_step(reference=False) == expected

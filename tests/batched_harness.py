@@ -211,8 +211,12 @@ def worker_state(connector: Any) -> tuple[Any, ...]:
         connector._generation,
         requests,
         sorted(stray),
-        len(buffer._free_slots),
-        len(buffer._owned_slots),
+        # Which slot each tail holds, the free list in pop order and the owned slots with
+        # their blocks' bytes: slot reuse follows upstream's exactly. (A tail's slot past
+        # its length holds a former tenant's rows, which nothing reads.)
+        {request_id: tail.slot for request_id, tail in buffer._requests.items()},
+        list(buffer._free_slots),
+        sorted((slot, buffer._rows[slot].tobytes()) for slot in buffer._owned_slots.values()),
         len(connector._pending_outputs),
     )
 

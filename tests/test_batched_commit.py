@@ -523,3 +523,152 @@ def test_packing_cache_keeps_no_reverted_wrapper_alive(reverted: pytest.MonkeyPa
     prime_r3.revert()
     gc.collect()
     assert layer() is None
+
+
+def _slot_step(reference: bool, order: str) -> tuple[Any, ...]:
+    """One step in which several requests start a new buffer tail, in batch order
+    ``order``: "D" a decode (the fast path), "A" drafts with one rejected (upstream's
+    fallback), "B" a 6-token prompt (the multi-token fast path). Returns the outputs and
+    the buffer's slot bookkeeping: which slot each tail holds (with its rows), the free
+    list in pop order, the owned slots with their blocks' bytes."""
+    shape = harness.Shape(block=4, token_shape=(3, 2), dtype=np.uint16)
+    connector = harness.make_connector(shape, reference)
+    state = aux_worker._WorkerRequestState
+    connector._requests["D"] = state(capture_cursor=4, scheduled_cursor=4, emit_cursor=4)
+    connector._requests["A"] = state(capture_cursor=0, scheduled_cursor=0, emit_cursor=0)
+    connector._requests["B"] = state(emit_cursor=0)
+    size = {"D": 1, "A": 7, "B": 6}
+    start = {"D": 4, "A": 0, "B": 0}
+    ids = list(order)
+    qsl = np.concatenate(([0], np.cumsum([size[r] for r in ids]))).astype(np.int32)
+    rows = np.arange(int(qsl[-1]) * 6, dtype=np.uint16).reshape(-1, 3, 2)
+    pending = aux_worker.PendingAuxOutput(
+        connector=connector,
+        request_ids=ids,
+        token_starts=np.array([start[r] for r in ids], dtype=np.int32),
+        query_start_loc=qsl,
+        routed_experts_gpu=None,
+        routed_experts=rows,
+        num_sampled=np.ones(len(ids), dtype=np.int32),
+        num_rejected=np.array([int(r == "A") for r in ids], dtype=np.int32),
+    )
+    for request_id in ids:
+        connector._requests[request_id].pending_outputs += 1
+    connector._pending_outputs.append(pending)
+    outputs = harness.output_state(connector.process_output(pending))
+    buffer = connector._buffer
+    tails = {
+        r: (t.slot, int(t.block_start), t.length, buffer._rows[t.slot, : t.length].tobytes())
+        for r, t in buffer._requests.items()
+    }
+    owned = sorted((slot, buffer._rows[slot].tobytes()) for slot in buffer._owned_slots.values())
+    result = outputs, tails, list(buffer._free_slots), owned
+    connector.close()
+    return result
+
+
+@pytest.mark.parametrize("order", ["DAB", "BD", "AD", "BAD"])
+def test_new_tails_get_upstreams_slots(reverted: pytest.MonkeyPatch, order: str) -> None:
+    """Upstream's loop pops a free slot for each new tail in batch order; the fast path
+    popped the decodes' first, then the multi-token requests', then upstream's fallback
+    its own, so a prefill or a partly rejected draft ahead of a request on a faster path
+    got another slot than upstream gives it (and from then on every release order, free
+    list and slot reuse differed). Found by review: "DAB" (fallback ahead of a multi-token
+    request) came with the multi-token path; "AD" and "BD" (ahead of a decode) were
+    already so when every multi-token request went to upstream."""
+    expected = _slot_step(reference=True, order=order)
+    assert len({tail[0] for tail in expected[1].values()}) == len(order)  # each a new tail
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    assert _slot_step(reference=False, order=order) == expected
+    counts = batched_commit.COUNTERS.snapshot()
+    assert counts["fast_requests"] == len(order) - order.count("A"), counts
+
+
+def _tail_step(reference: bool, block_start: int, length: int) -> tuple[Any, Any]:
+    """A decode "D" at the token after a buffered tail (``block_start``, ``length``) that
+    ``RoutedExpertsBuffer`` never builds itself (its tails start on a block boundary and
+    hold less than a block), after a plain decode "E": (upstream's error or None, the
+    worker state afterwards)."""
+    from vllm.distributed.aux_output_connector.routed_experts import _RequestTail
+
+    connector = harness.make_connector(harness.Shape(block=4), reference)
+    state = aux_worker._WorkerRequestState
+    start_d = block_start + length
+    for request_id, start in (("D", start_d), ("E", 4)):
+        connector._requests[request_id] = state(
+            capture_cursor=start, scheduled_cursor=start, emit_cursor=start, pending_outputs=1
+        )
+    buffer = connector._buffer
+    buffer._requests["D"] = _RequestTail(buffer._free_slots.pop(), block_start, length)
+    buffer._rows[buffer._requests["D"].slot] = 1
+    rows = np.arange(2 * 6, dtype=np.uint16).reshape(2, 3, 2)
+    # E first: upstream commits it, then asserts on D (what a fast E after D would not
+    # match: the fast path commits every fast request before upstream's loop runs).
+    pending = _decode_pending(connector, ["E", "D"], [4, start_d], [0, 1, 2], rows)
+    connector._pending_outputs.append(pending)
+    error = None
+    try:
+        connector.process_output(pending)
+    except AssertionError as caught:
+        error = harness.error_of(caught)
+    result = error, harness.worker_state(connector)
+    connector.close()
+    return result
+
+
+@pytest.mark.parametrize(("block_start", "length"), [(3, 2), (4, 4)], ids=["unaligned", "full"])
+def test_a_decode_on_a_tail_upstream_refuses_goes_to_upstream(
+    reverted: pytest.MonkeyPatch, block_start: int, length: int
+) -> None:
+    """A tail that ends at the token start but does not start on its block boundary (or
+    holds a whole block) makes upstream's ``_tail`` assert; the decode fast path only
+    checked that the tail ends at the token start and committed it (found by review; the
+    multi-token path already checked both)."""
+    expected = _tail_step(reference=True, block_start=block_start, length=length)
+    assert expected[0] is not None and "skipped an incomplete block" in expected[0][1]
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    assert _tail_step(reference=False, block_start=block_start, length=length) == expected
+    assert batched_commit.COUNTERS.snapshot()["fallback_reasons"] == {"tail": 1}
+
+
+def _failing_step(reference: bool) -> tuple[Any, Any]:
+    """A request "X" whose capture upstream refuses (an unbacked gap: capture cursor 2,
+    nothing scheduled past it, token start 5) ahead of a plain decode "D": (the error,
+    the worker state after process_output raised)."""
+    connector = harness.make_connector(harness.Shape(block=4), reference)
+    state = aux_worker._WorkerRequestState
+    connector._requests["X"] = state(
+        capture_cursor=2, scheduled_cursor=2, emit_cursor=2, pending_outputs=1
+    )
+    connector._requests["D"] = state(
+        capture_cursor=4, scheduled_cursor=4, emit_cursor=4, pending_outputs=1
+    )
+    rows = np.arange(2 * 6, dtype=np.uint16).reshape(2, 3, 2)
+    pending = _decode_pending(connector, ["X", "D"], [5, 4], [0, 1, 2], rows)
+    connector._pending_outputs.append(pending)
+    error = None
+    try:
+        connector.process_output(pending)
+    except AssertionError as caught:
+        error = harness.error_of(caught)
+    result = error, harness.worker_state(connector)
+    connector.close()
+    return result
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="reproducer (review): when upstream's loop asserts on a request, the fast "
+    "requests after it in batch order are already committed here (upstream leaves them "
+    "untouched); the worker is dead after the error either way. Not fixed: fixing it "
+    "means committing nothing fast after the first fallback request.",
+)
+def test_an_assertion_leaves_later_requests_as_upstream_does(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    expected = _failing_step(reference=True)
+    assert expected[0] is not None and "unbacked token gap" in expected[0][1]
+    _apply("batched_commit")
+    assert _failing_step(reference=False) == expected

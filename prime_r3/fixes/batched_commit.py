@@ -337,7 +337,8 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
         selected = _select(instance, ids, token_starts, decode, reasons, _RequestTail)
         if selected is None:
             return _upstream_step(wrapped, args, kwargs, pending)
-        fast, fallback, slots, locals_, published, published_at = selected
+        fast, fallback, slots, locals_, published, published_at, created = selected
+        decode_created = len(created)  # in batch order among themselves
         buffer_rows = instance._buffer._rows
         if fast[-1] - fast[0] + 1 == len(fast):  # one run: a view, no list conversion
             fast_rows = qsl[fast[0] : fast[-1] + 1]
@@ -365,6 +366,7 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
                     (AuxRequestOutput, _RequestTail),
                 )
                 fallback.extend(multi.fallback)
+                created.extend(multi.created)
                 if multi.at:  # their (state, completed) pairs join the publication
                     published_at, published = _merge_pairs(
                         published_at, published, multi.at, multi.pairs
@@ -385,14 +387,24 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
             sub, sub_rows = _sub_step(pending, fallback, qsl, num_tokens, token_starts)
             sub_root = _root(sub_rows)
             position = dict(zip(sub.request_ids, fallback, strict=True))
+            tails = instance._buffer._requests
+            before = [tails.get(request_id) for request_id in sub.request_ids]
             with _one_publication(instance, published, published_at, fallback):
                 sub_outputs = wrapped(sub)
+            # The tails upstream's capture made for the fallback requests: their slots
+            # were popped after ours, in batch order.
+            for j, request_id, old in zip(fallback, sub.request_ids, before, strict=True):
+                tail = tails.get(request_id)
+                if tail is not None and tail is not old:
+                    created.append((j, tail))
             for request_id, output in sub_outputs.items():
                 value_rows = output.rows
                 if isinstance(value_rows, np.ndarray) and _root(value_rows) is sub_root:
                     direct.append((position[request_id], request_id, output))
                 else:
                     materialised.append((request_id, output))
+        if len(created) > max(decode_created, 1):  # tails from more than the decode path
+            _slots_in_batch_order(instance._buffer, created)
         if multi is not None and multi.direct:
             direct = (
                 sorted(direct + multi.direct, key=operator.itemgetter(0))
@@ -448,11 +460,12 @@ def _select(
     decode: np.ndarray,
     reasons: Counter[str],
     request_tail: Any,
-) -> tuple[list[int], list[int], np.ndarray, np.ndarray, list[Any]] | None:
+) -> tuple[list[int], list[int], np.ndarray, np.ndarray, list[Any], list[int], list[Any]] | None:
     """Find the fast requests and apply upstream's capture bookkeeping to them.
 
     Returns (fast positions, fallback positions among the decode candidates, buffer
-    slots, positions in the slot, ``(state, completed)`` pairs to publish), or None
+    slots, positions in the slot, ``(state, completed)`` pairs to publish, their batch
+    positions, the new tails as (position, tail) in pop order), or None
     when no request is fast (nothing was touched: the step goes to upstream whole).
     Per-request attribute reads and writes are plain comprehensions and loops, not
     ``map(operator.attrgetter(...))`` / ``map(setattr, ...)``: CPython 3.11 specialises
@@ -484,7 +497,12 @@ def _select(
     block_starts = np.fromiter([tail.block_start for tail in tail_list], np.int64, m)
     lengths = np.fromiter([tail.length for tail in tail_list], np.int64, m)
     has_tail = block_starts != _MISSING.block_start
-    ok_tail = np.where(has_tail, block_starts + lengths == starts, starts % block_size == 0)
+    # Upstream's _tail and capture accept a tail only where the token start falls in it,
+    # at its length: the tail starts on the token's block boundary and ends at the token.
+    local = starts % block_size
+    ok_tail = np.where(
+        has_tail, (block_starts + lengths == starts) & (lengths == local), local == 0
+    )
     if captures == starts_list and emits == starts_list:
         ok = ok_tail
     else:
@@ -501,11 +519,13 @@ def _select(
     not_tail = int((~ok_tail).sum()) - reasons["cursor"]
     if not_tail:  # no zero entry: the common step then has no reasons at all
         reasons["tail"] += not_tail
+    created: list[tuple[int, Any]] = []
     for k in new_tails.tolist():
         # What RoutedExpertsBuffer._tail does for a request without a tail.
         tail = request_tail(free_slots.pop(), starts_list[k])
         tails[cand_ids[k]] = tail
         tail_list[k] = tail
+        created.append((cand[k], tail))
     block_starts[new_tails] = starts[new_tails]
     lengths[new_tails] = 0
     keep = np.flatnonzero(ok)
@@ -560,7 +580,7 @@ def _select(
             else:
                 published.append((state, []))
             published_at.append(fast[i])
-    return fast, fallback, slots, fast_lengths, published, published_at
+    return fast, fallback, slots, fast_lengths, published, published_at, created
 
 
 @dataclasses.dataclass
@@ -576,6 +596,8 @@ class _Multi:
     materialise: list[tuple[str, int, int]]
     #: Left to upstream's ``_commit_output``.
     fallback: list[int]
+    #: New buffer tails, as (position, tail), in the order their slots were popped.
+    created: list[tuple[int, Any]]
 
 
 def _select_multi(
@@ -690,6 +712,7 @@ def _select_multi(
     pairs: list[Any] = []
     direct: list[tuple[int, str, Any]] = []
     materialise: list[tuple[str, int, int]] = []
+    created: list[tuple[int, Any]] = []
     for j, state, tail, token_start, start, end, kind in chosen:
         request_id = ids[j]
         captured = rows[start:end]
@@ -714,6 +737,7 @@ def _select_multi(
         if full_end < count:  # the rest starts a new tail (RoutedExpertsBuffer._tail)
             new_tail = request_tail(free_slots.pop(), token_start + full_end)
             tails[request_id] = new_tail
+            created.append((j, new_tail))
             rows_of[new_tail.slot, : count - full_end] = captured[full_end:]
             new_tail.length = count - full_end
         token_end = token_start + count
@@ -727,7 +751,34 @@ def _select_multi(
             state.emit_cursor = token_end
         elif kind == 2:
             materialise.append((request_id, state.emit_cursor, token_end))
-    return _Multi(at, pairs, direct, materialise, fallback)
+    return _Multi(at, pairs, direct, materialise, fallback, created)
+
+
+def _slots_in_batch_order(buffer: Any, created: list[tuple[int, Any]]) -> None:
+    """Give the step's new buffer tails the slots upstream's capture gives them.
+
+    Upstream's loop pops a free slot for each new tail in batch order; here the fast
+    decode tails pop first, then the multi-token ones, then upstream's fallback pops its
+    own. The same slots leave the free list either way (the top ones, before any
+    ``retain_block`` of the publication), only who holds which differs, and with it
+    every later release order, free-list order and slot reuse. ``created`` lists the
+    step's new tails in pop order (a tail made this step is never completed in the same
+    capture, so each is still buffered): when their batch positions are not already
+    ascending, the i-th tail in batch order gets the i-th slot popped and its rows (its
+    length's worth) move with it. A slot's bytes past its tail's length are a former
+    tenant's here and upstream, not always the same one's: nothing reads them (``read``
+    stays within the length, a tail is completed by writing the rest).
+    """
+    positions = [j for j, _ in created]
+    if all(a < b for a, b in zip(positions, positions[1:], strict=False)):
+        return
+    rows = buffer._rows
+    popped = [tail.slot for _, tail in created]
+    ordered = [tail for _, tail in sorted(created, key=operator.itemgetter(0))]
+    saved = [rows[tail.slot, : tail.length].copy() for tail in ordered]
+    for tail, slot, data in zip(ordered, popped, saved, strict=True):
+        tail.slot = slot
+        rows[slot, : len(data)] = data
 
 
 def _merge_pairs(

@@ -240,3 +240,23 @@ def test_withheld_packed_steps_are_listed_by_reason() -> None:
         "  r3_prime packed_outputs: 7 steps declared packed / 3 withheld "
         "(metadata 1, take_output 2)",
     ]
+
+
+def test_batched_commits_multi_token_fast_requests_are_shown() -> None:
+    """batched_commit counts how many of its fast requests had several tokens (prefill
+    chunks); the bench line shows them beside the fast total, from the patch's own
+    counter, and a patch without that count keeps the plain line."""
+    from prime_r3.fixes.batched_commit import CommitCounters, Counters
+
+    commit, other = CommitCounters(), Counters()
+    commit.add(5, {}, multi_token=2)
+    commit.add(3, {"multi_token_mixed": 1})
+    other.add(4, {"not_packed": 2})
+    fast_path = {"batched_commit": commit.snapshot(), "batched_take": other.snapshot()}
+    results = {"r3_prime": {"handshake": None, "fast_path": fast_path}}
+    assert command._fast_path_lines(results).splitlines() == [
+        "fast path vs upstream (first round, measured window):",
+        "  r3_prime batched_commit: 8 fast (2 multi-token) / 1 upstream requests over 2 steps "
+        "(multi_token_mixed 1)",
+        "  r3_prime batched_take: 4 fast / 2 upstream requests over 1 steps (not_packed 2)",
+    ]

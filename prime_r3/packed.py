@@ -125,11 +125,13 @@ class _Packed(NamedTuple):
 
 
 class _Index(NamedTuple):
-    """Where each request of an unfilled step is (``PackedAuxOutputs._lookup``)."""
+    """Where each request of an unfilled step is: built by ``batched_take._lookup`` (its
+    only producer and reader) into the step's ``_index`` slot; ``_fill`` drops it."""
 
-    #: request id -> (first row, token start, row count), Python ints: the request's
-    #: rows are ``rows[low:low + count]``, its first row is token ``start``.
-    places: dict[str, tuple[int, int, int]]
+    #: request id -> (first row, token start, row count, own), the first three Python
+    #: ints: the request's rows are ``rows[low:low + count]``, its first row is token
+    #: ``start``; ``own`` is a one-row request's row copied ahead, else None.
+    places: dict[Any, tuple[int, int, int, np.ndarray | None]]
     rows: np.ndarray
 
 
@@ -255,25 +257,6 @@ class PackedAuxOutputs(dict[str, "AuxRequestOutput"]):
         self._packed = None
         self._index = None
         self.__class__ = PackedAuxOutputs
-
-    def _lookup(self) -> _Index:
-        """Per-request placement of an unfilled step, built once and cached.
-
-        For ``batched_take``: request id -> (first row, token start, row count) as
-        Python ints, built by C-level ``zip``s into one ``dict`` (no Python loop per
-        request), and the rows array: a request's rows are then one dict get, integer
-        arithmetic and one slice, without filling the step.
-        """
-        index = self._index
-        if index is None:
-            packed = self._packed
-            assert packed is not None, "only an unfilled instance has a packed form"
-            ids, starts, offsets, rows = packed
-            bounds = offsets.tolist()
-            counts = (offsets[1:] - offsets[:-1]).tolist()
-            places = zip(bounds[:-1], starts.tolist(), counts, strict=True)
-            index = self._index = _Index(dict(zip(ids, places, strict=True)), rows)
-        return index
 
     # -- dict behaviour beyond lookups ---------------------------------------------
 

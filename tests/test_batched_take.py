@@ -391,3 +391,51 @@ def test_differential_parity_through_each_hop(
     # Without a hop, a step batched_commit handed to upstream whole is upstream's dict.
     allowed = {"not_packed"} if hop == "none" else set()
     assert set(counts["fallback_reasons"]) <= allowed, counts
+
+
+# -- review: one producer for the unfilled step's index ----------------------------------
+
+
+def _bench_packing() -> Any:
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "bench_packing.py"
+    spec = importlib.util.spec_from_file_location("bench_packing_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_packing_take_arms_read_the_index_batched_take_builds(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """``scripts/bench_packing.py``'s take-only arms build each step's index before timing
+    and then call the registered ``take_output`` (plain) or the same body as a wrapt
+    wrapper. Review finding: since the one-row copies, batched_take's index has four
+    fields per request, but the bench built ``PackedAuxOutputs._lookup``'s three-field
+    index into the same ``_index`` slot, so the plain arm raised ``ValueError`` (not
+    enough values to unpack) and the wrapt arm measured the pre-copy body. Now the
+    step's index has one producer (``batched_take._lookup``) and both arms hand out the
+    same arrays (a one-row request's copy made ahead)."""
+    bench = _bench_packing()
+    samples = bench.bench_take_only(20, 1, 2, 0)
+    assert len(samples["plain"]) == len(samples["wrapt"]) == 1
+    from prime_r3.packed import PackedAuxOutputs as Packed
+
+    assert not hasattr(Packed, "_lookup")  # the three-field producer is gone
+    # The wrapt arm's body is the registered one: one-row requests get the copy made ahead.
+    outputs = {f"r{i}": AuxRequestOutput(i, np.full((1, 3, 2), i, np.uint8)) for i in range(5)}
+    requests = [Req(f"r{i}", i + 2) for i in range(5)]
+    registry, wrapt_registry = bench._take_registries()
+    for use in (registry, wrapt_registry):
+        bench._install_take(registry, use)
+        step = pickle.loads(pickle.dumps(PackedAuxOutputs.pack(outputs), protocol=5))
+        assert type(step) is _Unfilled
+        take = bench._connector().take_output
+        handed = [take(r, step) for r in requests]
+        assert [h.tobytes() for h in handed] == [v.rows.tobytes() for v in outputs.values()]
+        places = step._index.places
+        assert all(places[r.request_id][3] is h for r, h in zip(requests, handed, strict=True))
+    prime_r3.revert(["batched_take"])

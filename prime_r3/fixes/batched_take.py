@@ -158,8 +158,9 @@ def _lookup(output: Any) -> Any:
     Memory: each such array owns exactly one request's row (what the slice copy
     returned), so a kept result pins that request's row only, never the step; the arrays
     of requests that do not emit this step die with the step, as upstream's dict values
-    do. The whole index lives in the unfilled step's ``_index`` slot (packed's
-    ``_lookup`` cache, which only this patch reads; ``_fill`` drops it).
+    do. The whole index lives in the unfilled step's ``_index`` slot, which this is the
+    only producer of (a second producer of another shape would break every take of the
+    step) and this patch the only reader; ``_fill`` drops it.
     """
     from prime_r3.packed import _Index  # imported by then (the patch applied)
 

@@ -792,3 +792,83 @@ def test_the_cached_engine_frame_keeps_no_code_alive(reverted: pytest.MonkeyPatc
     del engine, made, namespace
     gc.collect()
     assert code() is None, "the handshake's cache keeps a dead engine class's step code"
+
+
+def test_the_take_output_verdict_keeps_no_connector_class_alive(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """The declaration keeps its verdict on ``take_output`` by the class attribute's
+    identity. A scheduler connector class made at run time (a plugin building one per
+    config) whose own ``take_output`` calls upstream's through ``super()``: withheld, and
+    once its scheduler, engine and class are gone, the cache must not keep that
+    ``take_output`` alive (nor, through its ``__class__`` cell, the class), as upstream
+    keeps nothing (review finding: the verdict held the attribute strongly)."""
+    import gc
+    import weakref
+
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+    from vllm.v1.engine.core import EngineCore
+
+    from prime_r3.fixes import packed_outputs
+
+    namespace: dict[str, Any] = {"Base": AuxOutputSchedulerConnector}
+    exec(  # a fresh function, owned by this class alone
+        "class MadeConnector(Base):\n"
+        "    def take_output(self, request, output):\n"
+        "        return super().take_output(request, output)\n",
+        namespace,
+    )
+    made = namespace.pop("MadeConnector")
+    function = weakref.ref(made.__dict__["take_output"])
+    cls_ref = weakref.ref(made)
+    scheduler = _fresh_scheduler()
+    scheduler.aux_output_connector.__class__ = made
+    engine = _engine(EngineCore, scheduler)
+    prime_r3.apply(["packed_outputs"], log=False)
+    _reset_counters()
+    for _ in range(2):
+        with pytest.raises(_Stop):
+            engine.step()
+    counts = packed_outputs.COUNTERS.snapshot()
+    assert counts["withheld_reasons"] == {"take_output": 2}, counts
+    del engine, scheduler, made, namespace
+    gc.collect()
+    assert function() is None, "the take_output verdict keeps a dead class's take_output"
+    assert cls_ref() is None
+
+
+def test_the_consumer_check_keeps_no_removed_foreign_layer_alive(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """``_vllm_method`` compares vLLM's class attribute with the one it last verified. A
+    foreign layer put on ``Scheduler.update_from_output`` (withheld while there) and then
+    removed, with no step after: the check must not keep that layer alive, as upstream
+    keeps nothing (review finding: the last verified attribute was held strongly)."""
+    import gc
+    import weakref
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    from prime_r3.fixes import packed_outputs
+
+    original = Scheduler.__dict__["update_from_output"]
+
+    def foreign(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return original(self, *args, **kwargs)
+
+    layer_ref = weakref.ref(foreign)
+    engine = _engine(EngineCore, _fresh_scheduler())
+    prime_r3.apply(["packed_outputs"], log=False)
+    _reset_counters()
+    Scheduler.update_from_output = foreign
+    try:
+        with pytest.raises(_Stop):
+            engine.step()
+    finally:
+        Scheduler.update_from_output = original
+    counts = packed_outputs.COUNTERS.snapshot()
+    assert counts["withheld_reasons"] == {"update_from_output": 1}, counts
+    del foreign, engine
+    gc.collect()
+    assert layer_ref() is None, "the consumer check keeps a removed foreign layer alive"

@@ -872,3 +872,40 @@ def test_the_consumer_check_keeps_no_removed_foreign_layer_alive(
     del foreign, engine
     gc.collect()
     assert layer_ref() is None, "the consumer check keeps a removed foreign layer alive"
+
+
+class _Payload:
+    """A stand-in for whatever a driver's frame holds (a step's outputs, a batch)."""
+
+
+def _drive(scheduler: Any) -> None:
+    scheduler.schedule()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review finding, not fixed: with no EngineCore on the stack the consumer "
+    "search reads frame.f_locals of up to 16 callers; on Python 3.11 that stores a "
+    "snapshot dict of each frame's locals on the frame, so a long-lived caller's "
+    "locals at the first step stay referenced until that frame ends (upstream keeps "
+    "nothing). vLLM's own engine path stops at EngineCore.step (short-lived frames); "
+    "a fix needs a locals read that leaves no snapshot (none in 3.11 short of clearing "
+    "the frame's dict, unsafe under a trace function).",
+)
+def test_the_consumer_search_keeps_no_callers_locals_alive(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """A driver of its own (the bench's simulator, a test) calling ``schedule`` with no
+    engine: an object its long-lived frame held at the first step and then dropped must
+    be freed, as with the overlay off."""
+    import gc
+    import weakref
+
+    scheduler = _fresh_scheduler()
+    prime_r3.apply(["packed_outputs"], log=False)
+    payload = _Payload()
+    payload_ref = weakref.ref(payload)
+    _drive(scheduler)  # the first step: the consumer is searched on the stack
+    del payload
+    gc.collect()
+    assert payload_ref() is None, "a caller frame's locals snapshot keeps the payload alive"

@@ -244,8 +244,17 @@ def _consumer_of(connector: Any, frame: Any) -> tuple[Any, str, Any, int, Any]:
     return None, "", scheduler, 0, None
 
 
-#: ``_vllm_method``'s state before its first check: matches no object.
-_UNSEEN = object()
+#: A class attribute that is not there (``dict.get``'s default), and a weak reference's
+#: stand-in for it; ``_dead`` is a reference whose object is gone (matches no object).
+_ABSENT = object()
+
+
+def _absent() -> Any:
+    return _ABSENT
+
+
+def _dead() -> Any:
+    return None
 
 
 def _vllm_method(module: str, owner: str, name: str) -> Callable[[Any], bool]:
@@ -268,27 +277,39 @@ def _vllm_method(module: str, owner: str, name: str) -> Callable[[Any], bool]:
     object's instance dict and its class's attribute. The state is one tuple, replaced
     whole: a thread reads one consistent state.
     """
-    #: (the module's ``owner`` attribute, its ``__dict__`` view or None, the object it
-    #: held as ``name``, upstream's function under that object or None).
-    state: tuple[Any, Any, Any, Any] = (_UNSEEN, None, _UNSEEN, None)
+    #: (weak references to the module's ``owner`` class and to the object it held as
+    #: ``name`` (``_ABSENT`` when it held none), upstream's function under that object
+    #: or None). Weak: a foreign layer verified once and then removed, or a class that
+    #: replaced vLLM's for a while, is not kept alive here once nothing else holds it
+    #: (upstream keeps nothing); a dead reference matches no live object.
+    state: tuple[Any, Any, Any] = (_dead, _dead, None)
     modules = sys.modules.get  # the interpreter's one dict of modules, read at each step
 
     def verify(found: Any) -> Any:
         nonlocal state
         cls = found if isinstance(found, type) else None
-        view = cls.__dict__ if cls is not None else None
-        live = view.get(name) if view is not None else None
+        live = cls.__dict__.get(name, _ABSENT) if cls is not None else _ABSENT
         last = state
-        if found is not last[0] or live is not last[2]:
-            last = state = (found, view, live, _upstream_method(module, cls, name, live))
-        return last[3]
+        if cls is None or cls is not last[0]() or live is not last[1]():
+            upstream = _upstream_method(module, cls, name, None if live is _ABSENT else live)
+            try:
+                last = state = (
+                    _dead if cls is None else weakref.ref(cls),
+                    _absent if live is _ABSENT else weakref.ref(live),
+                    upstream,
+                )
+            except TypeError:  # not weakly referable: verified again at the next check
+                state = (_dead, _dead, None)
+                return upstream
+        return last[2]
 
     def runs(obj: Any) -> bool:
-        found, view, live, upstream = state
+        cls_ref, live_ref, upstream = state
+        cls = cls_ref()
         if (
-            getattr(modules(module), owner, None) is not found
-            or view is None
-            or view.get(name) is not live
+            cls is None
+            or getattr(modules(module), owner, None) is not cls
+            or cls.__dict__.get(name, _ABSENT) is not live_ref()
         ):
             upstream = verify(getattr(modules(module), owner, None))
         if upstream is None or name in getattr(obj, "__dict__", ()):
@@ -358,7 +379,9 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
     # finding what lies under it costs microseconds, so that is done when it changes.
     # The answer depends on that object alone while it is there (our wrappers stay
     # recorded while installed), as _vllm_method's verification relies on too.
-    take_verdict: tuple[Any, bool] = (_UNSEEN, False)
+    # Held weakly: a connector class made at run time, or a foreign layer, whose
+    # take_output was judged once must not outlive its class or its removal here.
+    take_verdict: tuple[Any, bool] = (_dead, False)
     # (connector, engine, engine method name, scheduler, hops, code, check of the
     # method); the connector, engine, scheduler and code weakly (a dynamically made
     # engine class's step code must not outlive its class here): a step then checks
@@ -380,9 +403,15 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
             else inspect.getattr_static(cls, "take_output", None)
         )
         last = take_verdict
-        if found is not last[0]:
-            unwrapped = prime_state.unwrap_ours(found)
-            last = take_verdict = (found, found is not None and unwrapped is upstream_take_output)
+        if found is None:
+            return False
+        if found is not last[0]():
+            verdict = prime_state.unwrap_ours(found) is upstream_take_output
+            try:
+                take_verdict = (weakref.ref(found), verdict)
+            except TypeError:  # not weakly referable: judged again at the next step
+                take_verdict = (_dead, False)
+            return verdict
         return last[1]
 
     def consumer_withholds(instance: Any) -> str | None:

@@ -911,21 +911,13 @@ def test_the_consumer_search_keeps_no_callers_locals_alive(
     assert payload_ref() is None, "a caller frame's locals snapshot keeps the payload alive"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review finding, not fixed: a consumer found with no EngineCore on the stack "
-    "(a scheduler) is cached per connector with no frame check, so an engine that later "
-    "drives the same scheduler is never looked at: an overriding step gets packed steps "
-    "(it is withheld when it builds the first step). Fix sketch: cache the scheduler "
-    "result with the code of the frames the search walked (or of the scheduler frame's "
-    "caller) and search again when it differs.",
-)
 def test_an_engine_driving_a_scheduler_first_driven_without_one_is_judged(
     reverted: pytest.MonkeyPatch,
 ) -> None:
     """A scheduler first stepped by a driver of its own (declared: its consumer is the
     scheduler), then by an EngineCore whose own ``step`` overrides vLLM's: that engine's
-    steps are withheld (``engine_step``), as when it builds the first step."""
+    steps are withheld (``engine_step``), as when it builds the first step (review
+    finding; failed before: the scheduler was cached with no check of its driver)."""
     from vllm.v1.engine.core import EngineCore
 
     from prime_r3.fixes import packed_outputs

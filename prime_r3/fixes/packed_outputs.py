@@ -200,8 +200,10 @@ def _consumer_of(connector: Any, frame: Any) -> tuple[Any, str, Any, int, Any]:
     engine on the stack (a driver of its own, the bench's simulator, tests)
     ``scheduler`` is the nearest caller whose first argument holds ``connector`` as its
     ``aux_output_connector`` (vLLM's ``Scheduler.schedule``) or has an
-    ``update_from_output``; both None when neither is on the stack (a direct call);
-    ``code`` is None then.
+    ``update_from_output``, and ``hops`` / ``code`` say where that frame's caller (the
+    driver) is and what it runs, so a later step driven by other code (an EngineCore
+    stepping a scheduler a driver of its own stepped first) is searched again; both
+    None when neither is on the stack (a direct call), ``code`` None then.
 
     Why the stack: the connector holds no reference to its scheduler or engine (vLLM
     builds it inside ``Scheduler.__init__``), and ``Scheduler.schedule`` is its only
@@ -214,6 +216,7 @@ def _consumer_of(connector: Any, frame: Any) -> tuple[Any, str, Any, int, Any]:
     if not isinstance(engine_cls, type):
         engine_cls = None
     scheduler = None
+    caller_hops, caller_code = 0, None
     for hops in range(_MAX_FRAMES):
         if frame is None:
             break
@@ -240,8 +243,11 @@ def _consumer_of(connector: Any, frame: Any) -> tuple[Any, str, Any, int, Any]:
                         holds = False
                     if holds or inspect.getattr_static(owner, "update_from_output", None):
                         scheduler = owner
+                        caller = frame.f_back  # who steps the scheduler (the driver)
+                        if caller is not None:
+                            caller_hops, caller_code = hops + 1, caller.f_code
         frame = frame.f_back
-    return None, "", scheduler, 0, None
+    return None, "", scheduler, caller_hops, caller_code
 
 
 #: A class attribute that is not there (``dict.get``'s default), and a weak reference's
@@ -428,7 +434,9 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
 
         The engine found is cached with its frame's place and code: a step whose frame
         there runs other code (a loop driving both step methods, one overridden) is
-        searched again, so it is judged by the method it is built from.
+        searched again, so it is judged by the method it is built from. A scheduler
+        found with no engine is cached with its driver's place and code alike: an
+        engine that later steps the same scheduler is searched for, and judged.
         """
         nonlocal owner_of
         engine = scheduler = None
@@ -447,6 +455,14 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
                 name, runs = cached[2], cached[6]
             else:
                 scheduler = cached[3]()
+                code_ref = cached[5]
+                try:  # the same driver steps the scheduler: one frame read
+                    if code_ref is not None and (
+                        sys._getframe(2 + cached[4]).f_code is not code_ref()
+                    ):
+                        scheduler = None
+                except ValueError:  # a shallower stack: another caller
+                    scheduler = None
         if engine is None and scheduler is None:
             found = _consumer_of(instance, sys._getframe(2))
             engine, name, scheduler, hops, code = found

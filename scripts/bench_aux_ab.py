@@ -41,10 +41,16 @@ ROOT = Path(__file__).resolve().parent.parent
 COLUMNS = ("aux_ms", "aux_begin_ms", "aux_prepare_ms", "aux_process_ms")
 
 
-def _arm(n: int, steps: int, warmup: int) -> dict[str, Any]:
-    """One prime arm in this (fresh) interpreter; the bench's steady-window summary."""
+def _arm(
+    n: int, steps: int, warmup: int, columns: tuple[str, ...] = COLUMNS, r3: bool = True
+) -> dict[str, Any]:
+    """One arm in this (fresh) interpreter: the bench's steady-window summary's
+    ``columns``; the prime arm, or with ``r3=False`` the bench's ``r3_off``
+    (``PRIME_R3=0``). Also used by ``bench_step_ab.py``."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if not r3:
+        os.environ["PRIME_R3"] = "0"
     import prime_r3
 
     prime_r3.apply(log=False)
@@ -52,13 +58,34 @@ def _arm(n: int, steps: int, warmup: int) -> dict[str, Any]:
     from prime_r3.bench.workload import BenchConfig
 
     cfg = BenchConfig(concurrency=n, steps=steps, warmup=warmup, parity=False)
-    result = loop.run(cfg, True)
+    result = loop.run(cfg, r3)
     if result["error"]:
         raise RuntimeError(result["error"])
     summary = report.summarize(result, cfg)
-    out = {name: summary[name] for name in COLUMNS}
+    out = {name: summary[name] for name in columns}
     out["package"] = str(Path(prime_r3.__file__).resolve().parent)
     return out
+
+
+def _child(script: str, argv: list[str], path: str, arm: str) -> dict[str, Any]:
+    """Run ``script argv`` in a fresh interpreter with ``path`` first on ``PYTHONPATH``
+    (and as its working directory); its last stdout line is a JSON row whose
+    ``package`` must be ``path``'s prime_r3 (else the arm measured another version)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([path, *filter(None, [env.get("PYTHONPATH")])])
+    out = subprocess.run(
+        [sys.executable, script, *argv],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=path,
+    ).stdout
+    row = json.loads(out.strip().splitlines()[-1])
+    expected = Path(path).resolve() / "prime_r3"
+    if Path(row["package"]) != expected:
+        raise RuntimeError(f"{arm} arm imported {row['package']}, not {expected}")
+    return row
 
 
 def _export(ref: str, into: str) -> None:
@@ -92,24 +119,9 @@ def main() -> None:
             for round_ in range(args.rounds):
                 order = ("before", "after") if round_ % 2 == 0 else ("after", "before")
                 for arm in order:
-                    env = dict(os.environ)
-                    env["PYTHONPATH"] = os.pathsep.join(
-                        [paths[arm], *filter(None, [env.get("PYTHONPATH")])]
-                    )
-                    out = subprocess.run(
-                        [sys.executable, __file__, "--arm", "-n", str(n), "--before", "-"]
-                        + ["--steps", str(args.steps), "--warmup", str(args.warmup)],
-                        check=True,
-                        capture_output=True,
-                        text=True,
-                        env=env,
-                        cwd=paths[arm],
-                    ).stdout
-                    row = json.loads(out.strip().splitlines()[-1])
-                    expected = Path(paths[arm]).resolve() / "prime_r3"
-                    if Path(row["package"]) != expected:
-                        raise RuntimeError(f"{arm} arm imported {row['package']}, not {expected}")
-                    results[arm].append(row)
+                    argv = ["--arm", "-n", str(n), "--before", "-", "--steps", str(args.steps)]
+                    argv += ["--warmup", str(args.warmup)]
+                    results[arm].append(_child(__file__, argv, paths[arm], arm))
             print(
                 f"N={n}: medians of {args.rounds} rounds (alternating order), "
                 f"{args.steps} steps after {args.warmup}; before = {args.before}"

@@ -53,11 +53,13 @@ import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_aux_ab import _export  # noqa: E402 - one export of a revision for both
 
 ROOT = Path(__file__).resolve().parent.parent
 _TAKE_FILE = "prime_r3/fixes/batched_take.py"
@@ -341,16 +343,6 @@ def _arm(
         out["handshake"] = packed_outputs.COUNTERS.snapshot()
         out["take_counts"] = batched_take.COUNTERS.snapshot()
     return out
-
-
-def _export(ref: str, into: str) -> None:
-    archive = Path(into) / "src.tar"
-    with archive.open("wb") as handle:
-        subprocess.run(
-            ["git", "-C", str(ROOT), "archive", ref, "prime_r3"], check=True, stdout=handle
-        )
-    with tarfile.open(archive) as tar:
-        tar.extractall(into, filter="data")
 
 
 def _take_ab(args: argparse.Namespace) -> None:

@@ -28,41 +28,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_aux_ab import ROOT, _export  # noqa: E402 - the same export of a revision
+from bench_aux_ab import ROOT, _arm, _child, _export  # noqa: E402 - shared with it
 
 COLUMNS = ("engine_cpu_ms", "sched_ms", "aux_ms", "transport_ms", "writer_ms")
 ARMS = ("off", "before", "after")
-
-
-def _arm(r3: bool, n: int, steps: int, warmup: int) -> dict[str, Any]:
-    """One arm in this (fresh) interpreter: the bench's steady-window summary."""
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    if not r3:
-        os.environ["PRIME_R3"] = "0"
-    import prime_r3
-
-    prime_r3.apply(log=False)
-    from prime_r3.bench import loop, report
-    from prime_r3.bench.workload import BenchConfig
-
-    cfg = BenchConfig(concurrency=n, steps=steps, warmup=warmup, parity=False)
-    result = loop.run(cfg, r3)
-    if result["error"]:
-        raise RuntimeError(result["error"])
-    summary = report.summarize(result, cfg)
-    out = {name: summary[name] for name in COLUMNS}
-    out["package"] = str(Path(prime_r3.__file__).resolve().parent)
-    return out
 
 
 def main() -> None:
@@ -75,7 +51,8 @@ def main() -> None:
     parser.add_argument("--arm", choices=("off", "on"), help=argparse.SUPPRESS)  # internal
     args = parser.parse_args()
     if args.arm:
-        print(json.dumps(_arm(args.arm == "on", int(args.n), args.steps, args.warmup)))
+        row = _arm(int(args.n), args.steps, args.warmup, COLUMNS, r3=args.arm == "on")
+        print(json.dumps(row))
         return
     with tempfile.TemporaryDirectory(prefix="prime_r3_before_") as before_dir:
         _export(args.before, before_dir)
@@ -85,20 +62,10 @@ def main() -> None:
             for round_ in range(args.rounds):
                 k = round_ % len(ARMS)
                 for arm in ARMS[k:] + ARMS[:k]:
-                    env = dict(os.environ)
-                    env["PYTHONPATH"] = os.pathsep.join(
-                        [paths[arm], *filter(None, [env.get("PYTHONPATH")])]
-                    )
-                    command = [sys.executable, __file__, "--arm", "off" if arm == "off" else "on"]
-                    command += ["-n", str(n), "--before", "-", "--steps", str(args.steps)]
-                    command += ["--warmup", str(args.warmup)]
-                    out = subprocess.run(
-                        command, check=True, capture_output=True, text=True, env=env, cwd=paths[arm]
-                    ).stdout
-                    row = json.loads(out.strip().splitlines()[-1])
-                    expected = Path(paths[arm]).resolve() / "prime_r3"
-                    if Path(row["package"]) != expected:
-                        raise RuntimeError(f"{arm} arm imported {row['package']}, not {expected}")
+                    argv = ["--arm", "off" if arm == "off" else "on", "-n", str(n)]
+                    argv += ["--before", "-", "--steps", str(args.steps)]
+                    argv += ["--warmup", str(args.warmup)]
+                    row = _child(__file__, argv, paths[arm], arm)
                     results[arm].append(row)
                     print(
                         f"  N={n} round {round_ + 1} {arm}: {row['engine_cpu_ms']:.3f} ms",

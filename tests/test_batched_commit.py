@@ -585,6 +585,20 @@ def test_new_tails_get_upstreams_slots(reverted: pytest.MonkeyPatch, order: str)
     assert counts["fast_requests"] == len(order) - order.count("A"), counts
 
 
+def _process_and_close(connector: Any, pending: Any) -> tuple[Any, Any]:
+    """``process_output`` of one in-flight step: (the assertion it raised, as the harness
+    names errors, or None; the worker state after it); then the connector is closed."""
+    connector._pending_outputs.append(pending)
+    error = None
+    try:
+        connector.process_output(pending)
+    except AssertionError as caught:
+        error = harness.error_of(caught)
+    result = error, harness.worker_state(connector)
+    connector.close()
+    return result
+
+
 def _tail_step(reference: bool, block_start: int, length: int) -> tuple[Any, Any]:
     """A decode "D" at the token after a buffered tail (``block_start``, ``length``) that
     ``RoutedExpertsBuffer`` never builds itself (its tails start on a block boundary and
@@ -606,15 +620,7 @@ def _tail_step(reference: bool, block_start: int, length: int) -> tuple[Any, Any
     # E first: upstream commits it, then asserts on D (what a fast E after D would not
     # match: the fast path commits every fast request before upstream's loop runs).
     pending = _decode_pending(connector, ["E", "D"], [4, start_d], [0, 1, 2], rows)
-    connector._pending_outputs.append(pending)
-    error = None
-    try:
-        connector.process_output(pending)
-    except AssertionError as caught:
-        error = harness.error_of(caught)
-    result = error, harness.worker_state(connector)
-    connector.close()
-    return result
+    return _process_and_close(connector, pending)
 
 
 @pytest.mark.parametrize(("block_start", "length"), [(3, 2), (4, 4)], ids=["unaligned", "full"])
@@ -647,15 +653,7 @@ def _failing_step(reference: bool) -> tuple[Any, Any]:
     )
     rows = np.arange(2 * 6, dtype=np.uint16).reshape(2, 3, 2)
     pending = _decode_pending(connector, ["X", "D"], [5, 4], [0, 1, 2], rows)
-    connector._pending_outputs.append(pending)
-    error = None
-    try:
-        connector.process_output(pending)
-    except AssertionError as caught:
-        error = harness.error_of(caught)
-    result = error, harness.worker_state(connector)
-    connector.close()
-    return result
+    return _process_and_close(connector, pending)
 
 
 @pytest.mark.xfail(

@@ -431,6 +431,22 @@ def _overriding_step(base: type, method: str) -> type:
     return cls
 
 
+def _count_searches(reverted: pytest.MonkeyPatch) -> list[Any]:
+    """Every stack search the handshake makes from now on (``_consumer_of``'s results,
+    in order), for tests asserting it searches once and then uses its cache."""
+    from prime_r3.fixes import packed_outputs
+
+    searches: list[Any] = []
+    search = packed_outputs._consumer_of
+
+    def counted(connector: Any, frame: Any) -> Any:
+        searches.append(search(connector, frame))
+        return searches[-1]
+
+    reverted.setattr(packed_outputs, "_consumer_of", counted)
+    return searches
+
+
 @pytest.mark.parametrize("method", ["step", "step_with_batch_queue"])
 @pytest.mark.parametrize(
     "variant", ["upstream", "class override", "instance attribute", "other method overridden"]
@@ -463,14 +479,7 @@ def test_the_engine_step_on_the_path_is_judged(
         engine.__dict__[method] = functools.partial(getattr(EngineCore, method), engine)
     prime_r3.apply(["packed_outputs"], log=False)
     _reset_counters()
-    searches: list[Any] = []
-    search = packed_outputs._consumer_of
-
-    def counted(connector: Any, frame: Any) -> Any:
-        searches.append(search(connector, frame))
-        return searches[-1]
-
-    reverted.setattr(packed_outputs, "_consumer_of", counted)
+    searches = _count_searches(reverted)
     packed = variant in ("upstream", "other method overridden")
     assert _engine_step(engine, method) is (PackedAuxOutputs if packed else dict)
     for _ in range(2):
@@ -685,14 +694,7 @@ def test_a_loop_driving_both_step_methods_is_judged_by_the_one_on_the_path(
     engine = _engine(_overriding_step(EngineCore, "step_with_batch_queue"), _fresh_scheduler())
     prime_r3.apply(["packed_outputs"], log=False)
     _reset_counters()
-    searches: list[Any] = []
-    search = packed_outputs._consumer_of
-
-    def counted(connector: Any, frame: Any) -> Any:
-        searches.append(search(connector, frame))
-        return searches[-1]
-
-    reverted.setattr(packed_outputs, "_consumer_of", counted)
+    searches = _count_searches(reverted)
     other = "step_with_batch_queue" if first == "step" else "step"
     expected = {"step": PackedAuxOutputs, "step_with_batch_queue": dict}
     order = [first, first, other, other, first]

@@ -432,7 +432,7 @@ def test_fast_step_keeps_what_an_inner_wrapper_set_on_the_metadata(
     requests = _requests(real, 24)
     first = next(iter(requests))
     sent = _sent_all(requests)
-    sent[first] -= 1  # one request with a hash to send: upstream packs it
+    del sent[first]  # one new request: upstream's loop handles it
     upstream = AuxOutputSchedulerConnector.build_connector_meta
     reference = _connector_copy(real.scheduler.aux_output_connector, sent)
     expected = _outcome(upstream, reference, _step(requests), requests)
@@ -532,3 +532,191 @@ def test_with_packed_outputs_stacked_under_it(
         assert unmarked == expected, f"seed {seed}: {_first_difference(expected, unmarked)}"
         assert_same_rows(expected_rows, got_rows, f"seed {seed}")
     assert batched_meta.COUNTERS.snapshot()["fast_requests"] > 0
+
+
+# -- decoding requests with new block hashes (fast since the hashes case was covered) --
+
+
+def test_differential_covers_decoding_requests_with_new_hashes(
+    reverted: pytest.MonkeyPatch, small_batches: None
+) -> None:
+    """The randomised workload's decoding requests that complete a hash block take the
+    fast path (upstream's helper packs their hashes, without upstream's loop); every
+    step's metadata (block hashes in upstream's order) and state equal upstream's."""
+    batched_meta.COUNTERS.reset()
+    for seed in range(3):
+        prime_r3.revert()
+        expected, expected_rows, _ = run(seed)
+        prime_r3.apply(["batched_meta"], log=False)
+        got, got_rows, _ = run(seed)
+        assert got == expected, f"seed {seed}: {_first_difference(expected, got)}"
+        assert_same_rows(expected_rows, got_rows, f"seed {seed}")
+    counts = batched_meta.COUNTERS.snapshot()
+    assert counts["fast_hashes"] > 0 and counts["fallback_requests"] > 0, counts
+
+
+def _hash_step(requests: dict[str, Any]) -> tuple[dict[str, int], list[str]]:
+    """Sent counts where some decoding requests have new hashes (not the first), one is
+    new, and two known requests are not scheduled (one with a hash to send)."""
+    ids = list(requests)
+    sent = _sent_all(requests)
+    for k, request_id in enumerate(ids[3::4]):  # one or two hashes to send (of 3-9)
+        sent[request_id] -= 1 + k % 2
+    del sent[ids[1]]  # new: upstream's loop (setdefault, all its hashes)
+    unscheduled = ids[-2:]
+    sent[unscheduled[0]] -= 1  # a hash-only update from upstream's second loop
+    return sent, unscheduled
+
+
+@pytest.mark.parametrize("case", ["plain", "finished events", "scheduled id finished"])
+def test_new_hashes_packed_as_upstream_packs_them(case: str, reverted: pytest.MonkeyPatch) -> None:
+    """A crafted step: decoding requests with new hashes interleaved with a new one,
+    unscheduled requests and terminal events. Metadata (block hashes and their order)
+    and state equal upstream's; the decoding ones were fast. A terminal event for a
+    scheduled id (which would move upstream's entry) sends the step to upstream whole."""
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+    from tests.test_packed_outputs import real_vllm
+
+    real = real_vllm()
+    requests = _requests(real, 24)
+    sent, unscheduled = _hash_step(requests)
+    scheduled = {r: q for r, q in requests.items() if r not in unscheduled}
+    finished: dict[str, Any] = {}
+    if case != "plain":
+        some = next(iter(requests.values()))
+        finished = {"gone": None, "gone-with-hashes": _one_pack(some)}
+        if case == "scheduled id finished":
+            finished[list(scheduled)[7]] = _one_pack(some)
+    connector = real.scheduler.aux_output_connector
+
+    def outcome(call: Any) -> Any:
+        clone = _connector_copy(connector, sent)
+        clone._finished_requests = dict(finished)
+        return _outcome(call, clone, _step(scheduled), requests)
+
+    expected = outcome(AuxOutputSchedulerConnector.build_connector_meta)
+    assert expected[0][0] == "ok", expected
+    hashed_ids = [k for k, _ in expected[0][1][2]]
+    assert len(hashed_ids) >= 6, hashed_ids  # the step does send new hashes
+    prime_r3.apply(["batched_meta"], log=False)
+    batched_meta.COUNTERS.reset()
+    got = outcome(AuxOutputSchedulerConnector.build_connector_meta)
+    assert got == expected
+    counts = batched_meta.COUNTERS.snapshot()
+    if case == "scheduled id finished":
+        assert counts["fallback_reasons"] == {"step": 22} and counts["fast_hashes"] == 0
+    else:
+        assert counts["fallback_reasons"] == {"new": 1}, counts
+        assert counts["fast_hashes"] == len(list(scheduled)[3::4]), counts
+
+
+def _one_pack(request: Any) -> Any:
+    from vllm.distributed.aux_output_connector.connector import PackedBlockHashes
+
+    return PackedBlockHashes(b"".join(request.block_hashes), len(request.block_hashes[0]))
+
+
+def test_prompt_start_none_beside_new_hashes_goes_to_upstream_whole(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """Upstream's first loop raises at a request whose prompt start is None, after the
+    counts of the requests before it were written and before those after: with decoding
+    requests' hashes packed here, the step goes to upstream whole, same error, same state."""
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+    from tests.test_packed_outputs import real_vllm
+
+    real = real_vllm()
+    requests = _requests(real, 24)
+    sent, _ = _hash_step(requests)
+    list(requests.values())[9].sampling_params.routed_experts_prompt_start = None
+    connector = real.scheduler.aux_output_connector
+    upstream = AuxOutputSchedulerConnector.build_connector_meta
+    expected = _outcome(upstream, _connector_copy(connector, sent), _step(requests), requests)
+    assert expected[0][:2] == ("raise", TypeError), expected
+    prime_r3.apply(["batched_meta"], log=False)
+    batched_meta.COUNTERS.reset()
+    patched = AuxOutputSchedulerConnector.build_connector_meta
+    got = _outcome(patched, _connector_copy(connector, sent), _step(requests), requests)
+    assert got == expected
+    assert batched_meta.COUNTERS.snapshot()["fallback_reasons"] == {"step": 24}
+
+
+BAD_BESIDE_HASHES = {  # case -> what upstream does with the crafted step
+    # A new request (before the decoding ones with hashes) whose hashes upstream cannot
+    # join: its first loop raises there, before it writes those requests' counts.
+    "a hash that is not bytes": ("raise", TypeError),
+    # A request keyed under another id than its own (0.33's _take_new_hashes reads and
+    # writes the count under request.request_id; 0.31/0.32 do not read it).
+    "a request under another id": ("ok", None),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BESIDE_HASHES))
+def test_a_bad_request_beside_new_hashes_goes_to_upstream_whole(
+    case: str, reverted: pytest.MonkeyPatch
+) -> None:
+    """Our packs and counts for the decoding requests are written before upstream's call
+    on the others: exact only if upstream's first loop cannot stop part way. A request
+    on which it could (a hash it cannot join) or one whose count it reads under another
+    key (0.33) sends the step to upstream whole: same error or result, same state. With
+    the hashes written first (the fast path without these checks) the counts of the
+    decoding requests after the failing one differ from upstream's."""
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+    from tests.test_packed_outputs import real_vllm
+
+    real = real_vllm()
+    requests = _requests(real, 24)
+    sent, _ = _hash_step(requests)
+    ids = list(requests)
+    if case == "a hash that is not bytes":
+        requests[ids[1]].block_hashes[0] = "not bytes"  # ids[1] is new
+    else:
+        requests[ids[1]].request_id = ids[0]  # a new request: upstream's loop reads ids[0]
+    connector = real.scheduler.aux_output_connector
+    upstream = AuxOutputSchedulerConnector.build_connector_meta
+    expected = _outcome(upstream, _connector_copy(connector, sent), _step(requests), requests)
+    kind, error = BAD_BESIDE_HASHES[case]
+    assert expected[0][0] == kind and (error is None or expected[0][1] is error), expected
+    prime_r3.apply(["batched_meta"], log=False)
+    batched_meta.COUNTERS.reset()
+    patched = AuxOutputSchedulerConnector.build_connector_meta
+    got = _outcome(patched, _connector_copy(connector, sent), _step(requests), requests)
+    assert got == expected
+    assert batched_meta.COUNTERS.snapshot()["fallback_reasons"] == {"step": 24}
+
+
+def test_new_hashes_without_the_fast_branch_would_fall_back(reverted: pytest.MonkeyPatch) -> None:
+    """The crafted step's decoding requests with new hashes are counted fast (not
+    ``hashes``), and each sends exactly the hashes upstream sends: as many as it is
+    behind, no more and no fewer (an off-by-one in the slice or the count fails here or
+    in the metadata comparison above)."""
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+    from tests.test_packed_outputs import real_vllm
+
+    real = real_vllm()
+    requests = _requests(real, 24)
+    sent, unscheduled = _hash_step(requests)
+    scheduled = {r: q for r, q in requests.items() if r not in unscheduled}
+    behind = {
+        r: len(q.block_hashes) - sent[r]
+        for r, q in scheduled.items()
+        if r in sent and sent[r] < len(q.block_hashes)
+    }
+    assert sorted(set(behind.values())) == [1, 2], behind  # both sizes are exercised
+    prime_r3.apply(["batched_meta"], log=False)
+    batched_meta.COUNTERS.reset()
+    connector = _connector_copy(real.scheduler.aux_output_connector, sent)
+    metadata = AuxOutputSchedulerConnector.build_connector_meta(
+        connector, _step(scheduled), requests
+    )
+    counts = batched_meta.COUNTERS.snapshot()
+    assert counts["fast_hashes"] == len(behind) and "hashes" not in counts["fallback_reasons"]
+    for request_id, count in behind.items():
+        request = requests[request_id]
+        packed = metadata.block_hashes[request_id]
+        assert list(packed) == request.block_hashes[-count:], request_id
+        assert connector._sent_hash_counts[request_id] == len(request.block_hashes)

@@ -260,19 +260,3 @@ def test_batched_commits_multi_token_fast_requests_are_shown() -> None:
         "(multi_token_mixed 1)",
         "  r3_prime batched_take: 4 fast / 2 upstream requests over 1 steps (not_packed 2)",
     ]
-
-
-def test_batched_metas_fast_requests_with_new_hashes_are_shown() -> None:
-    """batched_meta counts how many of its fast requests sent new block hashes; the
-    bench line shows them beside the fast total, from the patch's own counter."""
-    from prime_r3.fixes.batched_meta import MetaCounters
-
-    meta = MetaCounters()
-    meta.add(7, {"new": 1}, 3)
-    meta.add(5, {})
-    results = {"r3_prime": {"handshake": None, "fast_path": {"batched_meta": meta.snapshot()}}}
-    assert command._fast_path_lines(results).splitlines() == [
-        "fast path vs upstream (first round, measured window):",
-        "  r3_prime batched_meta: 12 fast (3 with new hashes) / 1 upstream requests over 2 "
-        "steps (new 1)",
-    ]

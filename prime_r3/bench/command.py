@@ -301,8 +301,6 @@ def _fast_path_lines(results: dict[str, dict[str, Any]]) -> str:
             reasons = ", ".join(f"{k} {v}" for k, v in sorted(c["fallback_reasons"].items()) if v)
             # batched_commit: how many of its fast requests had several tokens (prefills).
             multi = f" ({c['fast_multi_token']} multi-token)" if "fast_multi_token" in c else ""
-            # batched_meta: how many of its fast requests sent new block hashes.
-            multi += f" ({c['fast_hashes']} with new hashes)" if "fast_hashes" in c else ""
             lines.append(
                 f"  {arm} {patch}: {c['fast_requests']} fast{multi} / {c['fallback_requests']} "
                 f"upstream requests over {c['steps']} steps ({reasons or 'no fallback'})"

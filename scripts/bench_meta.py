@@ -23,22 +23,24 @@ engine steps the requests' objects are cold, and the cost is touching them, so
         [--steps 150] [--warmup 100] [--before OLD_batched_meta.py]
         [--control COPY_OF_batched_meta.py]
 
-measures in the bench's real engine loop (``prime_r3.bench.loop.Simulator``, the
-bench's default workload, every patch applied). ``build_connector_meta`` rotates step
-by step over the variants, each on the real connector (they compute the same metadata
-and state, so the simulation is the same whichever runs): ``upstream`` (upstream's
-function), ``meta`` (batched_meta's wrapper), ``before`` (with ``--before``: the
-``_batched_meta`` of another batched_meta.py, e.g. ``git show REV:prime_r3/fixes/
-batched_meta.py > FILE``, loaded under another name), ``control`` (with ``--control``:
-the same for another file, usually a copy of the current one: ``meta / control`` is
-then the same-code ratio, the noise a change must beat) and ``touch`` (only the reads the
-emit start and the hash test need, per scheduled request, timed; upstream then builds
-the metadata untimed): a lower bound for any exact build_connector_meta on cold
-requests. All run under packed_outputs' reader declaration, as the layer stacks them.
-Adjacent steps share the machine's load, so the comparison survives other work on a
-shared machine. ``--rounds`` fresh processes; printed per variant: the median over
-rounds of the per-step median of the call's thread CPU ms, the sched phase of the
-steps it ran in, each round's values, and the medians of per-round ratios.
+measures in the bench's real engine loop (``prime_r3.bench.loop.Simulator``, the bench's
+default workload, every patch applied). ``build_connector_meta`` rotates step by step
+over the variants, each on the real connector (they compute the same metadata and state,
+so the simulation is the same whichever runs): ``upstream`` (upstream's function),
+``meta`` (batched_meta's wrapper), ``before`` (with ``--before``: the ``_batched_meta``
+of another batched_meta.py, e.g. ``git show REV:prime_r3/fixes/batched_meta.py >
+FILE``, loaded under another name), ``control`` (with ``--control``: the same for
+another file, usually a copy of the current one) and ``touch`` (only the reads the emit
+start and the hash test need, per scheduled request, timed; upstream then builds the
+metadata untimed): a lower bound for any exact build_connector_meta on cold requests.
+All run under packed_outputs' reader declaration, as the layer stacks them. Adjacent
+steps share the machine's load, so the comparison survives other work on a shared
+machine. Measured: the ``meta`` slot (right after ``upstream``) reads 5-24% above the
+same code in the ``before``/``control`` slots, so compare a change as ``before`` against
+``control`` (both loaded from files), swapping the two files between runs. ``--rounds``
+fresh processes; printed per variant: the median over rounds of the per-step median of
+the call's thread CPU ms, the sched phase of the steps it ran in, each round's values,
+and the medians of per-round ratios.
 """
 
 from __future__ import annotations

@@ -21,21 +21,26 @@ engine steps the requests' objects are cold, and the cost is touching them, so
 
     .venv/bin/python scripts/bench_meta.py --loop [-n 400,1000] [--rounds 5]
         [--steps 150] [--warmup 100] [--before OLD_batched_meta.py]
+        [--control COPY_OF_batched_meta.py]
 
-measures in the bench's real engine loop (``prime_r3.bench.loop.Simulator``, the
-bench's default workload, every patch applied). ``build_connector_meta`` rotates step
-by step over the variants, each on the real connector (they compute the same metadata
-and state, so the simulation is the same whichever runs): ``upstream`` (upstream's
-function), ``meta`` (batched_meta's wrapper), ``before`` (with ``--before``: the
-``_batched_meta`` of another batched_meta.py, e.g. ``git show REV:prime_r3/fixes/
-batched_meta.py > FILE``, loaded under another name) and ``touch`` (only the reads the
-emit start and the hash test need, per scheduled request, timed; upstream then builds
-the metadata untimed): a lower bound for any exact build_connector_meta on cold
-requests. All run under packed_outputs' reader declaration, as the layer stacks them.
-Adjacent steps share the machine's load, so the comparison survives other work on a
-shared machine. ``--rounds`` fresh processes; printed per variant: the median over
-rounds of the per-step median of the call's thread CPU ms, the sched phase of the
-steps it ran in, each round's values, and the medians of per-round ratios.
+measures in the bench's real engine loop (``prime_r3.bench.loop.Simulator``, the bench's
+default workload, every patch applied). ``build_connector_meta`` rotates step by step
+over the variants, each on the real connector (they compute the same metadata and state,
+so the simulation is the same whichever runs): ``upstream`` (upstream's function),
+``meta`` (batched_meta's wrapper), ``before`` (with ``--before``: the ``_batched_meta``
+of another batched_meta.py, e.g. ``git show REV:prime_r3/fixes/batched_meta.py >
+FILE``, loaded under another name), ``control`` (with ``--control``: the same for
+another file, usually a copy of the current one) and ``touch`` (only the reads the emit
+start and the hash test need, per scheduled request, timed; upstream then builds the
+metadata untimed): a lower bound for any exact build_connector_meta on cold requests.
+All run under packed_outputs' reader declaration, as the layer stacks them. Adjacent
+steps share the machine's load, so the comparison survives other work on a shared
+machine. Measured: the ``meta`` slot (right after ``upstream``) reads 5-24% above the
+same code in the ``before``/``control`` slots, so compare a change as ``before`` against
+``control`` (both loaded from files), swapping the two files between runs. ``--rounds``
+fresh processes; printed per variant: the median over rounds of the per-step median of
+the call's thread CPU ms, the sched phase of the steps it ran in, each round's values,
+and the medians of per-round ratios.
 """
 
 from __future__ import annotations
@@ -178,7 +183,9 @@ def _touch(connector: Any, scheduler_output: Any, requests: dict[str, Any]) -> N
         request.sampling_params.routed_experts_prompt_start  # noqa: B018
 
 
-def loop_arm(concurrency: int, steps: int, warmup: int, before: str | None) -> dict[str, Any]:
+def loop_arm(
+    concurrency: int, steps: int, warmup: int, before: str | None, control: str | None = None
+) -> dict[str, Any]:
     """One ``--loop`` round in this (fresh) interpreter: the bench's engine loop with
     every patch, build_connector_meta rotating over the variants step by step."""
     import importlib.util
@@ -199,12 +206,15 @@ def loop_arm(concurrency: int, steps: int, warmup: int, before: str | None) -> d
     declare = packed_outputs._declare_packed_reader({})
     wrappers = {"meta": batched_meta._batched_meta({})}
     counters = {"meta": batched_meta.COUNTERS}
-    if before:  # the batched_meta module from before a change, under another name
-        spec = importlib.util.spec_from_file_location("_batched_meta_before", before)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        wrappers["before"] = module._batched_meta({})
-        counters["before"] = module.COUNTERS
+    # The batched_meta module from before a change, and a noise control (usually a copy
+    # of the current file: the same code as `meta`), each loaded under another name.
+    for name, path in (("before", before), ("control", control)):
+        if path:
+            spec = importlib.util.spec_from_file_location(f"_batched_meta_{name}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            wrappers[name] = module._batched_meta({})
+            counters[name] = module.COUNTERS
     names = ["upstream", *wrappers, "touch"]
     times: dict[str, list[float]] = {name: [] for name in names}
     sched: dict[str, list[float]] = {name: [] for name in names}
@@ -266,6 +276,8 @@ def _loop_main(args: argparse.Namespace) -> int:
             command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
             if args.before:
                 command += ["--before", args.before]
+            if args.control:
+                command += ["--control", args.control]
             out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
             rounds.append(json.loads(out.strip().splitlines()[-1]))
         names = list(rounds[0]["meta_ms"])
@@ -294,7 +306,13 @@ def _loop_main(args: argparse.Namespace) -> int:
             "/".join(f"{r['meta_ms'][name]:.3f}" for name in names) for r in rounds
         )
         print(f"  rounds ({'/'.join(names)}): {per_round}")
-        pairs = (("meta", "upstream"), ("before", "upstream"), ("meta", "before"))
+        pairs = (
+            ("meta", "upstream"),
+            ("before", "upstream"),
+            ("meta", "before"),
+            ("meta", "control"),
+            ("control", "before"),
+        )
         for a, b in (*pairs, ("touch", "upstream"), ("meta", "touch")):
             if a in names and b in names:
                 ratio = statistics.median(r["meta_ms"][a] / r["meta_ms"][b] for r in rounds)
@@ -310,12 +328,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loop", action="store_true", help="measure in the engine loop")
     parser.add_argument("--warmup", type=int, default=100, help="--loop only")
     parser.add_argument("--before", help="--loop: also an older batched_meta.py (a file)")
+    parser.add_argument(
+        "--control",
+        help="--loop: a noise control, another batched_meta.py in the same rotation "
+        "(e.g. a copy of the current file: meta / control is then the same-code ratio)",
+    )
     parser.add_argument("--loop-arm", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.loop_arm:
         import json
 
-        result = loop_arm(int(args.n), args.steps or 150, args.warmup, args.before)
+        result = loop_arm(int(args.n), args.steps or 150, args.warmup, args.before, args.control)
         print(json.dumps(result))
         return 0
     if args.loop:

@@ -1,6 +1,7 @@
 """The store writer thread at steady state: where its time goes, and what batching could win.
 
     .venv/bin/python scripts/bench_writer.py [-n 400] [--window 200] [--rounds 7]
+        [--no-sweep] [--perf PATH]
 
 Issue 10 asks for "a batch of blocks written without one Python object per block" on the
 writer thread (``vllm-aux-output-writer``, ``BackgroundBlockObjectStore``). Before building
@@ -30,6 +31,8 @@ no first touches: the steady state), then:
    ``bound_put``, the write loop cut to the LRU stores alone, no payload copied: not a
    patch, a price: what any batch that must still copy every payload could save at most.
    0.31/0.32 only (0.33's ``put`` differs); on 0.33 step 1 still runs.
+
+``--perf PATH`` records the writer thread alone (``perf record -g -t``) over step 1's window.
 """
 
 from __future__ import annotations
@@ -38,8 +41,11 @@ import argparse
 import gc
 import os
 import resource
+import signal
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -54,6 +60,7 @@ from vllm.distributed.aux_output_connector.store import BlockObjectStoreError  #
 import prime_r3  # noqa: E402
 
 PARTS = ("_retain", "_release", "_evict_to_fit")
+WRITER = "vllm-aux-output-writer"
 
 
 def _minor_faults() -> int:
@@ -244,8 +251,17 @@ def replay_models(store: Any) -> bool:
     return "_slots" not in vars(store)
 
 
+def _perf_record(path: str) -> subprocess.Popen[bytes]:
+    """``perf record -g`` on the writer thread alone (its thread id), into ``path``."""
+    tid = next(t.native_id for t in threading.enumerate() if t.name == WRITER)
+    command = ["perf", "record", "-q", "-F", "4999", "-g", "-t", str(tid), "-o", path]
+    recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # let perf attach before the window starts
+    return recorder
+
+
 def engine(
-    n: int, window: int, min_warmup: int, max_warmup: int
+    n: int, window: int, min_warmup: int, max_warmup: int, perf: str | None = None
 ) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
     """Run the bench loop to a full store (at least ``min_warmup`` steps), then one measured
     window; return the recording."""
@@ -268,12 +284,17 @@ def engine(
         warm += 1
     background._queue.join()
     snap = _snapshot(store)
+    recorder = _perf_record(perf) if perf else None
     meter.on = True
     writer = sim.writer_clock.seconds()
     for _ in range(window):
         sim.step()
     background._queue.join()
     writer = sim.writer_clock.seconds() - writer
+    if recorder is not None:
+        recorder.send_signal(signal.SIGINT)
+        recorder.wait()
+        print(f"perf samples of the writer thread in the window: {perf} (perf report -i {perf})")
     meter.on = False
     # The same number of steps again without timing: the writer's CPU without the
     # wrappers' own work (which the timed window's writer CPU includes).
@@ -386,11 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-warmup", type=int, default=1500, help="warm-up cap (1500)")
     parser.add_argument("--rounds", type=int, default=7, help="replay rounds (7)")
     parser.add_argument("--no-sweep", action="store_true", help="replay with warm caches too")
+    parser.add_argument("--perf", metavar="PATH", help="perf record the writer over the window")
     args = parser.parse_args(argv)
     for name, value in (("-n", args.n), ("--window", args.window), ("--rounds", args.rounds)):
         if value < 1:
             parser.error(f"{name} must be a positive integer, got {value}")
-    cls_info, calls, snap = engine(args.n, args.window, args.min_warmup, args.max_warmup)
+    cls_info, calls, snap = engine(args.n, args.window, args.min_warmup, args.max_warmup, args.perf)
     if not replay_models(cls_info[3]):
         print("replay skipped: vLLM 0.33's put differs (the bound arm is 0.31/0.32's put)")
         return 0

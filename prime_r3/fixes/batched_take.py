@@ -20,9 +20,10 @@ integer arithmetic and a return (or one slice). The step's first take splits it
 (``packed._Unfilled._split``): every request's rows copied into an array of its own by
 C-level ``map``s, the index (request id -> token start, row count, rows) built by
 C-level ``zip``s, and the step's packed rows dropped. The step is not filled.
-Splitting costs about half of a slice plus ``.copy()`` per call (measured in the
-bench's engine loop, take_output alternating step by step with the per-call version:
-``scripts/bench_sched.py --take-before``).
+Making the copies all at once is cheaper than a slice plus ``.copy()`` per call, and
+the split costs no more than the one-row copies it replaced (both measured in the
+bench's engine loop, take_output alternating step by step with the earlier version:
+``scripts/bench_sched.py --take-before``; figures in the README).
 
 Anything else goes to upstream's ``take_output`` itself (the function under ours,
 called directly), so its assertions and their messages are upstream's: a plain dict

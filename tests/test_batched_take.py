@@ -281,8 +281,8 @@ def test_other_readers_of_an_unfilled_step_see_upstreams_dict(
     reverted: pytest.MonkeyPatch, transport: Callable[[Any], Any]
 ) -> None:
     """After batched_take has sliced some requests, any dict read (``in``, ``[]``, items,
-    ``dict()``, ``{**}``, copy, Ray's zero-copy detach where the release has it) fills the
-    step and sees upstream's content; later takes (now upstream's) agree."""
+    ``dict()``, ``{**}``, copy, a pickle, Ray's zero-copy detach where the release has it)
+    fills the step and sees upstream's content; later takes (now upstream's) agree."""
     _apply("packed_outputs", "batched_take")
     outputs, requests = make_step(np.random.default_rng(12), 200)
     theirs = transport(outputs)
@@ -295,6 +295,12 @@ def test_other_readers_of_an_unfilled_step_see_upstreams_dict(
         lambda d: d.get(next(iter(outputs))).rows.tobytes(),
         lambda d: list(copy.copy(d)),
         lambda d: next(iter(requests)).request_id in d,
+        # Pickled again after the takes split it (packed rows dropped): packed anew
+        # from the split's arrays, upstream's content on the other side.
+        lambda d: sorted(
+            (k, int(v.token_start), v.rows.tobytes())
+            for k, v in pickle.loads(pickle.dumps(d, protocol=5)).items()
+        ),
     ]
     try:
         from vllm.v1.executor.ray_utils import detach_zero_copy_from_model_runner_output

@@ -27,8 +27,12 @@ What every consumer sees is upstream's dict (see ``README.md``, ``packed_outputs
   that request's rows only, never the step: an in-process frontend keeps no more
   alive than upstream does. Where ``batched_take`` wraps the scheduler's
   ``take_output``, the step stays *unfilled* instead (its rows in one array of
-  memory nobody else writes): ``take_output`` copies each request's rows out by one
-  slice, and any other dict read fills it first (see ``_Unfilled``).
+  memory nobody else writes) until its first take, which splits it (``_split``):
+  every request's rows copied into an array of its own and the packed rows dropped,
+  so from then on the step holds its rows once, as upstream's dict does, and takes
+  hand out those arrays (or views of them, as upstream slices its per-request
+  arrays). Any other dict read fills it first (see ``_Unfilled``), reusing a split
+  step's arrays.
 * Generic consumers (msgspec / vLLM's ``MsgpackEncoder``, ``dataclasses.asdict``,
   ``copy``, ``deepcopy``, ``==``, ``pop``/``del``/``update``) act on the dict's
   content exactly as on upstream's dict; a later pickle carries the mutated content
@@ -81,6 +85,7 @@ _SEPARATOR = "\x00"  # format 1 writers before the shared ids joined them with i
 _token_start = operator.attrgetter("token_start")
 _rows = operator.attrgetter("rows")
 _base = operator.attrgetter("base")
+_third = operator.itemgetter(2)
 _new = object.__new__
 _copy = np.ndarray.copy
 
@@ -121,18 +126,13 @@ class _Packed(NamedTuple):
     ids: list[str]
     starts: np.ndarray
     offsets: np.ndarray  # request i's rows are rows[offsets[i]:offsets[i + 1]]
-    rows: np.ndarray
+    rows: np.ndarray  # None in a step _Unfilled._split split (its index holds the rows)
 
 
-class _Index(NamedTuple):
-    """Where each request of an unfilled step is: built by ``batched_take._lookup`` (its
-    only producer and reader) into the step's ``_index`` slot; ``_fill`` drops it."""
-
-    #: request id -> (first row, token start, row count, own), the first three Python
-    #: ints: the request's rows are ``rows[low:low + count]``, its first row is token
-    #: ``start``; ``own`` is a one-row request's row copied ahead, else None.
-    places: dict[Any, tuple[int, int, int, np.ndarray | None]]
-    rows: np.ndarray
+#: A split unfilled step's index (``_Unfilled._split``): request id -> (token start,
+#: row count, rows), the first two Python ints, ``rows`` the request's rows in an array
+#: that owns its memory (``len(rows) == count``), in the step's request order.
+_Places = dict[Any, tuple[int, int, np.ndarray]]
 
 
 class PackedAuxOutputs(dict[str, "AuxRequestOutput"]):
@@ -151,7 +151,7 @@ class PackedAuxOutputs(dict[str, "AuxRequestOutput"]):
         a dict through its type. Such an instance packs itself when pickled."""
         self._packed: _Packed | None = None
         self._step: StepRows | None = None
-        self._index: _Index | None = None
+        self._index: _Places | None = None
         dict.__init__(self, *args, **kwargs)
 
     @classmethod
@@ -221,9 +221,16 @@ class PackedAuxOutputs(dict[str, "AuxRequestOutput"]):
         return self
 
     def packed(self) -> _Packed:
-        """The packed form of the current content (made now unless unfilled)."""
-        if self._packed is not None:
-            return self._packed
+        """The packed form of the current content (made now unless unfilled).
+
+        A split step (``_Unfilled._split``) no longer holds its packed rows: it is
+        filled from its per-request arrays and packed from them, as a filled dict is.
+        """
+        packed = self._packed
+        if packed is not None:
+            if packed.rows is not None:
+                return packed
+            self._fill()
         return _pack(list(dict.keys(self)), list(dict.values(self)), self._step)
 
     # -- filling (reader side) -----------------------------------------------------
@@ -231,9 +238,12 @@ class PackedAuxOutputs(dict[str, "AuxRequestOutput"]):
     def _fill(self) -> None:
         """Build every value in one pass, then become a plain (C-speed) instance.
 
-        Each request's rows are copied out of the step's buffer into an array that
-        owns its memory, so a kept row chunk pins that request's rows only (as with
-        upstream's per-request arrays), and the step's buffer is dropped here.
+        Each request's rows are an array that owns its memory, so a kept row chunk
+        pins that request's rows only (as with upstream's per-request arrays): copied
+        out of the step's buffer (dropped here), or, on a step ``_Unfilled._split``
+        already split, that split's arrays, not copied again. Those are the arrays
+        (or the bases of the views) ``batched_take`` handed out, as upstream's results
+        are views of its dict's arrays, and the step never holds a row twice.
         ``AuxRequestOutput`` is a plain dataclass (an anchor of the patch): setting its
         two fields directly is what its ``__init__`` does; the objects are made and
         their fields set by C-level ``map``s (no Python loop per request).
@@ -244,15 +254,13 @@ class PackedAuxOutputs(dict[str, "AuxRequestOutput"]):
         n = len(ids)
         if len(starts) != n or len(offsets) != n + 1:
             raise ValueError(f"packed step: {n} ids, {len(starts)} starts, {len(offsets)} offsets")
-        if int(offsets[-1]) == n and bool((offsets[1:] - offsets[:-1] == 1).all()):
-            # Decode step, one row each: numpy's iteration makes the views in C.
-            views: Any = rows.reshape((n, 1, *rows.shape[1:]))
+        if rows is None:  # split: the index holds every request's array, in id order
+            arrays: Any = map(_third, self._index.values())  # type: ignore[union-attr]
         else:
-            bounds = offsets.tolist()
-            views = map(rows.__getitem__, map(slice, bounds, bounds[1:]))
+            arrays = _split_rows(rows, offsets)
         values = list(map(_new, repeat(AuxRequestOutput, n)))
         deque(map(setattr, values, repeat("token_start"), starts.tolist()), maxlen=0)
-        deque(map(setattr, values, repeat("rows"), map(_copy, views)), maxlen=0)
+        deque(map(setattr, values, repeat("rows"), arrays), maxlen=0)
         dict.update(self, zip(ids, values, strict=True))
         self._packed = None
         self._index = None
@@ -395,6 +403,7 @@ class _Unfilled(PackedAuxOutputs):
 
     Every read of the dict goes through ``_fill`` first, which makes the object a plain
     ``PackedAuxOutputs``; only ``len`` and iteration answer from the packed ids alone.
+    ``batched_take`` reads it through ``_split`` instead.
     """
 
     __slots__ = ()
@@ -404,6 +413,34 @@ class _Unfilled(PackedAuxOutputs):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._packed.ids)  # type: ignore[union-attr]
+
+    def _split(self) -> _Places:
+        """The step's index for ``batched_take`` (its only caller, at a step's first take):
+        every request's rows copied into an array of its own, and the packed rows dropped.
+
+        Why all at once, and why drop them: upstream's received dict holds one array per
+        request, and its ``take_output`` returns a view of that array. Keeping the packed
+        rows *and* handing out copies held the step's rows twice from the first take
+        until the ``ModelRunnerOutput`` died; split, the step holds them once (plus the
+        small ids, starts and offsets, for ``len``, iteration and ``_fill``), and each
+        result is its request's array or a view of it: it pins that request's rows only,
+        never the step, as upstream's does. The copies are made by C-level ``map``s
+        (``_split_rows``; on a decode step, one row each, numpy's iteration makes the
+        views), cheaper than a slice plus ``.copy()`` per take. The arrays of requests
+        that do not emit die with the step, as upstream's dict values do; a later dict
+        read fills the step from these arrays (``_fill``), not from new copies. The index
+        lives in the ``_index`` slot, which this is the only producer of.
+        """
+        ids, starts, offsets, rows = self._packed  # type: ignore[misc]
+        n = len(ids)
+        if len(starts) != n or len(offsets) != n + 1:
+            raise ValueError(f"packed step: {n} ids, {len(starts)} starts, {len(offsets)} offsets")
+        arrays = _split_rows(rows, offsets)
+        counts = (offsets[1:] - offsets[:-1]).tolist()
+        places = dict(zip(ids, zip(starts.tolist(), counts, arrays, strict=True), strict=True))
+        self._index = places
+        self._packed = _Packed(ids, starts, offsets, None)  # type: ignore[arg-type]
+        return places
 
 
 for _name in (
@@ -425,6 +462,19 @@ for _name in (
 ):
     setattr(_Unfilled, _name, _filled(_name))
 del _name
+
+
+def _split_rows(rows: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
+    """Request i's rows ``rows[offsets[i]:offsets[i + 1]]``, each copied into an array
+    that owns its memory (one copy per request, by C-level ``map``s)."""
+    n = len(offsets) - 1
+    if int(offsets[-1]) == n and bool((offsets[1:] - offsets[:-1] == 1).all()):
+        # Decode step, one row each: numpy's iteration makes the views in C.
+        views: Any = rows.reshape((n, 1, *rows.shape[1:]))
+    else:
+        bounds = offsets.tolist()
+        views = map(rows.__getitem__, map(slice, bounds, bounds[1:]))
+    return list(map(_copy, views))
 
 
 def _gather_rows(
@@ -530,7 +580,8 @@ def _rebuild(version: Any, *fields: Any) -> PackedAuxOutputs:
         received._fill()  # copies every request's rows out of the transport buffer
         return received
     # batched_take reads the step without filling it: the step keeps its rows until
-    # the scheduler drops it, so they must be memory nobody else writes. A bytes or
+    # its first take splits them (_Unfilled._split), so they must be memory nobody
+    # else writes. A bytes or
     # bytearray payload is the unpickler's own (in-band) or the fresh copy dequeue
     # made (vLLM 0.32+); any other buffer (vLLM 0.31's view of the reusable ring
     # slot, Ray's or zmq's read-only memory) is copied once, the whole step at a time.

@@ -321,7 +321,6 @@ def _wrapt_batched_take() -> Any:
     from prime_r3.spec import Calling
 
     counters = batched_take.COUNTERS
-    lookup = batched_take._lookup  # the one producer of an unfilled step's index
 
     def factory(params: Any) -> Any:
         def take_output(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
@@ -329,12 +328,11 @@ def _wrapt_batched_take() -> Any:
             if type(output) is not _Unfilled:
                 counters.fallback("not_packed")
                 return wrapped(request, output)
-            index = output._index
-            if index is None:
-                index = output._index = lookup(output)
+            places = output._index
+            if places is None:
+                places = output._split()  # the one producer of an unfilled step's index
                 counters.steps += 1
                 counters.batched_steps += 1
-            places, rows = index
             try:
                 place = places.get(request.request_id)
             except TypeError:
@@ -342,11 +340,11 @@ def _wrapt_batched_take() -> Any:
             if place is None:
                 counters.fallback("missing")
                 return wrapped(request, output)
-            low, start, count, own = place
+            start, count, rows = place
             local_end = request.num_tokens - 1 - start
-            if own is not None and local_end == 1:
+            if local_end == count:
                 counters.fast_requests += 1
-                return own
+                return rows
             if local_end < 0:
                 counters.fallback("before_start")
                 return wrapped(request, output)
@@ -354,7 +352,7 @@ def _wrapt_batched_take() -> Any:
                 counters.fallback("beyond_rows")
                 return wrapped(request, output)
             counters.fast_requests += 1
-            return rows[low : low + local_end].copy()
+            return rows[:local_end]
 
         return take_output
 
@@ -557,9 +555,8 @@ def bench_in_context(n: int, rounds: int, steps: int, seed: int) -> Samples:
 def bench_take_only(n: int, rounds: int, steps: int, seed: int) -> Samples:
     """take_output per step alone, on a received lazy step: ``plain`` (batched_take as
     registered) vs ``wrapt`` (the same body as a wrapt wrapper), alternating per step,
-    both installed through the layer; each step's lookup dict is built before timing."""
+    both installed through the layer; each step is split (its index built) before timing."""
     import prime_r3
-    from prime_r3.fixes import batched_take
     from prime_r3.fixes.batched_commit import _packed
     from prime_r3.packed import _Unfilled
 
@@ -577,7 +574,7 @@ def bench_take_only(n: int, rounds: int, steps: int, seed: int) -> Samples:
                 received = mq_loads(mq_dumps(built))
                 assert type(received) is _Unfilled
                 # Per step, the same in both arms, not timed here: batched_take's index.
-                received._index = batched_take._lookup(received)
+                received._split()
                 gc.disable()
                 t0 = _clock()
                 taken = take_each(received, requests, connector)

@@ -218,6 +218,18 @@ def _arm(
     if take_before:  # batched_take.py of before a change, under another name
         import importlib.util
 
+        from prime_r3 import packed
+
+        if not hasattr(packed, "_Index"):
+            # batched_take.py from before the split (6921192 and earlier) builds its own
+            # index as packed._Index(places, rows), a type this checkout no longer has.
+            from typing import NamedTuple
+
+            class _Index(NamedTuple):
+                places: dict[Any, Any]
+                rows: Any
+
+            packed._Index = _Index
         spec = importlib.util.spec_from_file_location("_batched_take_before", take_before)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -248,8 +260,11 @@ def _arm(
         if type(output) is not _Unfilled or not emitted:
             return
         take = cls.take_output
-        fresh = PackedAuxOutputs._trusted(*output._packed)
-        filled = PackedAuxOutputs._trusted(*output._packed)
+        # packed(): the step as received, or (split by its first take, which dropped
+        # the packed rows) packed again from its per-request arrays. Not timed.
+        packed = output.packed()
+        fresh = PackedAuxOutputs._trusted(*packed)
+        filled = PackedAuxOutputs._trusted(*packed)
         filled._fill()
         t0 = cpu()
         for request in emitted:

@@ -161,11 +161,12 @@ def test_rows_and_errors_are_upstreams_after_the_real_message_queue(
     assert type(ours) is PackedAuxOutputs  # make_step's missing ids filled it at the latest
 
 
-def test_a_step_of_valid_takes_is_never_filled_and_each_result_owns_its_rows(
+def test_a_step_of_valid_takes_is_never_filled_and_each_result_pins_its_request_only(
     reverted: pytest.MonkeyPatch, transport: Callable[[Any], Any]
 ) -> None:
-    """The fast path: one slice copy per request, no fill; each result owns exactly the
-    rows it returns (upstream's result is a view of the request's whole array)."""
+    """The fast path: no fill; each result is its request's own array or a view of it,
+    writable, pinning no more than upstream's result (a view of the request's whole
+    array) and never the step's rows."""
     _apply("packed_outputs", "batched_take")
     batched_take.COUNTERS.reset()
     outputs, requests = make_step(np.random.default_rng(4), 400)
@@ -187,8 +188,9 @@ def test_a_step_of_valid_takes_is_never_filled_and_each_result_owns_its_rows(
             expected.shape,
             expected.tobytes(),
         )
-        assert rows.flags.owndata and rows.flags.writeable
-        assert rows.nbytes <= expected.base.nbytes if expected.base is not None else True
+        owner = rows if rows.base is None else rows.base
+        assert owner.flags.owndata and rows.flags.writeable
+        assert owner.nbytes == outputs[request.request_id].rows.nbytes  # its request's rows
     assert type(ours) is _Unfilled and dict.__len__(ours) == 0  # never filled
     counts = batched_take.COUNTERS.snapshot()
     assert counts == {
@@ -201,15 +203,16 @@ def test_a_step_of_valid_takes_is_never_filled_and_each_result_owns_its_rows(
 
 
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
-def test_one_row_requests_get_their_row_copied_once_per_step(
+def test_every_request_gets_its_own_array_made_once_per_step(
     reverted: pytest.MonkeyPatch, transport: Callable[[Any], Any], kind: str
 ) -> None:
-    """A request with one row whose accepted range is that row is handed an array the
-    step's first take made for it (all such rows copied at once: ``_lookup``), not a
-    slice copy per call: the same bytes as upstream, owning exactly its row. A decode
-    step (every request one row) and a mixed one (zero-row, prefill and one-row
-    requests, where the one-row rows are gathered). Other ranges of a one-row request
-    (0 rows, before its start, beyond its row) take upstream's branches as before."""
+    """The step's first take splits it (``_Unfilled._split``): every request's rows
+    copied once into an array of its own, the packed rows dropped. A take of all of a
+    request's rows is handed that array, a shorter range a view of it (upstream's
+    ``rows[:local_end]`` of its per-request array): the same bytes as upstream, and the
+    result pins that request's rows only. A decode step (every request one row) and a
+    mixed one (zero-row, prefill and one-row requests). Invalid ranges (before its
+    start, beyond its rows) take upstream's branches as before."""
     _apply("packed_outputs", "batched_take")
     batched_take.COUNTERS.reset()
     rng = np.random.default_rng(21)
@@ -239,15 +242,20 @@ def test_one_row_requests_get_their_row_copied_once_per_step(
             expected.shape,
             expected.tobytes(),
         )
-        assert rows.flags.owndata and rows.flags.writeable and rows.base is None
-        assert rows.nbytes == end * 46 * 8
-        if end == 1 and len(outputs[request.request_id].rows) == 1:
-            handed.append((request.request_id, rows))
+        assert rows.flags.writeable and rows.nbytes == end * 46 * 8
+        handed.append((request.request_id, end, rows))
     assert type(ours) is _Unfilled  # only valid takes: never filled
-    places = ours._index.places
-    assert handed and all(places[rid][3] is rows for rid, rows in handed)
-    ones = {f"r{i}" for i in range(n) if lengths[i] == 1}
-    assert {rid for rid, place in places.items() if place[3] is not None} == ones
+    assert ours._packed.rows is None  # split: the packed rows dropped
+    places = ours._index
+    assert list(places) == list(outputs)
+    for rid, (start, count, own) in places.items():
+        assert own.flags.owndata and own.tobytes() == outputs[rid].rows.tobytes()
+        assert (start, count) == (int(outputs[rid].token_start), len(own))
+    for rid, end, rows in handed:
+        own = places[rid][2]
+        assert rows is own if end == len(own) else rows.base is own, (rid, end)
+    assert any(end == len(places[rid][2]) for rid, end, _ in handed)
+    assert any(end < len(places[rid][2]) for rid, end, _ in handed)
     counts = batched_take.COUNTERS.snapshot()
     pairs = zip(requests, ends, strict=True)
     fast = sum(0 <= e <= len(outputs[r.request_id].rows) for r, e in pairs)
@@ -273,8 +281,8 @@ def test_other_readers_of_an_unfilled_step_see_upstreams_dict(
     reverted: pytest.MonkeyPatch, transport: Callable[[Any], Any]
 ) -> None:
     """After batched_take has sliced some requests, any dict read (``in``, ``[]``, items,
-    ``dict()``, ``{**}``, copy, Ray's zero-copy detach where the release has it) fills the
-    step and sees upstream's content; later takes (now upstream's) agree."""
+    ``dict()``, ``{**}``, copy, a pickle, Ray's zero-copy detach where the release has it)
+    fills the step and sees upstream's content; later takes (now upstream's) agree."""
     _apply("packed_outputs", "batched_take")
     outputs, requests = make_step(np.random.default_rng(12), 200)
     theirs = transport(outputs)
@@ -287,6 +295,12 @@ def test_other_readers_of_an_unfilled_step_see_upstreams_dict(
         lambda d: d.get(next(iter(outputs))).rows.tobytes(),
         lambda d: list(copy.copy(d)),
         lambda d: next(iter(requests)).request_id in d,
+        # Pickled again after the takes split it (packed rows dropped): packed anew
+        # from the split's arrays, upstream's content on the other side.
+        lambda d: sorted(
+            (k, int(v.token_start), v.rows.tobytes())
+            for k, v in pickle.loads(pickle.dumps(d, protocol=5)).items()
+        ),
     ]
     try:
         from vllm.v1.executor.ray_utils import detach_zero_copy_from_model_runner_output
@@ -417,8 +431,8 @@ def test_bench_packing_take_arms_read_the_index_batched_take_builds(
     fields per request, but the bench built ``PackedAuxOutputs._lookup``'s three-field
     index into the same ``_index`` slot, so the plain arm raised ``ValueError`` (not
     enough values to unpack) and the wrapt arm measured the pre-copy body. Now the
-    step's index has one producer (``batched_take._lookup``) and both arms hand out the
-    same arrays (a one-row request's copy made ahead)."""
+    step's index has one producer (``_Unfilled._split``, batched_take's first take of a
+    step) and both arms hand out the same arrays (each request's own, made at the split)."""
     bench = _bench_packing()
     samples = bench.bench_take_only(20, 1, 2, 0)
     assert len(samples["plain"]) == len(samples["wrapt"]) == 1
@@ -436,6 +450,6 @@ def test_bench_packing_take_arms_read_the_index_batched_take_builds(
         take = bench._connector().take_output
         handed = [take(r, step) for r in requests]
         assert [h.tobytes() for h in handed] == [v.rows.tobytes() for v in outputs.values()]
-        places = step._index.places
-        assert all(places[r.request_id][3] is h for r, h in zip(requests, handed, strict=True))
+        places = step._index
+        assert all(places[r.request_id][2] is h for r, h in zip(requests, handed, strict=True))
     prime_r3.revert(["batched_take"])

@@ -221,3 +221,163 @@ def test_batched_take_keeps_no_more_alive_than_upstream(
         }
     else:  # every take was a slice of the unfilled step
         assert counts["fast_requests"] == 100 * 300 and counts["fallback_requests"] == 0, counts
+
+
+# -- batched_take: what a received step keeps alive once it has been taken from ----------
+
+
+def held_bytes(obj: Any) -> int:
+    """Bytes of every distinct buffer reachable from ``obj``: arrays that own their data
+    (a view counts its base chain's owner once) and bytes-like payloads. Strings (the
+    request ids, upstream's own objects on both sides), classes and modules are not
+    followed."""
+    import types
+
+    owners: dict[int, int] = {}
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, np.ndarray):
+            if item.base is None:
+                owners[id(item)] = int(item.nbytes)
+            else:
+                stack.append(item.base)
+        elif isinstance(item, bytes | bytearray):
+            owners[id(item)] = len(item)
+        elif isinstance(item, memoryview):
+            stack.append(item.obj)
+        elif not isinstance(
+            item, str | int | float | type | types.ModuleType | types.FunctionType | np.dtype
+        ):
+            stack.extend(gc.get_referents(item))
+    return sum(owners.values())
+
+
+def _ray_like(obj: Any) -> Any:
+    """Ray's channels: protocol 5, out-of-band buffers handed back read-only (no detach:
+    on 0.31/0.32 the detach reads the step as a dict, which fills it)."""
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    return pickle.loads(data, buffers=[memoryview(bytes(b.raw())).toreadonly() for b in buffers])
+
+
+def taken_step(
+    kind: str, n: int, seed: int = 0
+) -> tuple[dict[str, AuxRequestOutput], list[Any], int]:
+    """A decode step (one row per request) or a mixed one (0, 1 and prefill-chunk rows),
+    the requests with their accepted ranges (mostly all rows, some shorter), and the
+    bytes upstream's per-request arrays hold."""
+    rng = np.random.default_rng(seed)
+    if kind == "decode":
+        lengths = np.ones(n, np.int64)
+    else:
+        lengths = rng.choice([0, 1, 1, 1, 6, 17], size=n)
+    snapshot = rng.integers(0, 128, (int(lengths.sum()), *SHAPE), dtype=np.uint8)
+    bounds = np.concatenate(([0], np.cumsum(lengths))).tolist()
+    outputs = {
+        f"r{i}": AuxRequestOutput(100 + i, snapshot[bounds[i] : bounds[i + 1]]) for i in range(n)
+    }
+    ends = [
+        int(lengths[i]) if rng.random() < 0.8 else int(rng.integers(0, lengths[i] + 1))
+        for i in range(n)
+    ]
+    requests = [Req(f"r{i}", 100 + i + 1 + ends[i]) for i in range(n)]
+    return outputs, requests, int(snapshot.nbytes)
+
+
+def _index_allowance(n: int) -> int:
+    """The small index arrays a packed step keeps besides its rows: the token starts and
+    row offsets (int64, 2n + 1 of them) as received."""
+    return 8 * (2 * n + 1)
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("hop", ["mq", "ray"])
+def test_a_taken_step_holds_its_rows_once(
+    hop: str, kind: str, reverted: pytest.MonkeyPatch
+) -> None:
+    """From the first take on, the unfilled step keeps alive no more row bytes than
+    upstream's received dict (one array per request), plus its small index arrays; every
+    result pins no more than upstream's result does (its request's rows only). Before the
+    fix the step kept the packed rows and, after the first take, a one-row copy of every
+    one-row request's row too: about twice upstream's bytes on a decode step."""
+    import prime_r3
+    from prime_r3.packed import _Unfilled
+    from tests.batched_harness import TAKE as UPSTREAM_TAKE
+
+    assert (
+        prime_r3.apply(["packed_outputs", "batched_take"], log=False).outcome("batched_take").state
+        == "applied"
+    )
+    n = 400
+    outputs, requests, row_bytes = taken_step(kind, n)
+    send, close = _mq_hop() if hop == "mq" else (_ray_like, lambda: None)
+    try:
+        theirs = send(outputs)
+        ours = send(PackedAuxOutputs.pack(outputs))
+    finally:
+        close()
+    assert type(theirs) is dict and type(ours) is _Unfilled
+    upstream = held_bytes(theirs)
+    assert upstream >= row_bytes
+    take = real_take_output()
+    kept = []
+    for k, request in enumerate(requests):
+        rows, expected = take(request, ours), UPSTREAM_TAKE(request, theirs)
+        assert rows.tobytes() == expected.tobytes() and rows.shape == expected.shape
+        assert _nbytes(_root(rows)) <= _nbytes(_root(expected)), request.request_id
+        kept.append(rows)
+        if k in (0, n // 2, n - 1):
+            held = held_bytes(ours)
+            print(f"{hop} {kind} after take {k + 1}: step holds {held} B, upstream {upstream} B")
+            assert held <= upstream + _index_allowance(n), (k, held, upstream)
+    assert type(ours) is _Unfilled  # served by batched_take throughout
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_a_fill_after_a_take_reuses_the_requests_arrays(
+    kind: str, reverted: pytest.MonkeyPatch
+) -> None:
+    """A dict read after some takes fills the step (upstream's content) from the
+    per-request arrays the first take made: no row is copied again, the dict's rows are
+    the very arrays (or the bases of the views) the takes returned, as upstream's results
+    are views of its dict's arrays; the step still holds its rows once. Before the fix
+    ``_fill`` copied every row again out of the packed rows (three copies for a moment,
+    and a returned array that was not the dict's)."""
+    import prime_r3
+    from prime_r3.packed import _Unfilled
+    from tests.batched_harness import TAKE as UPSTREAM_TAKE
+
+    assert (
+        prime_r3.apply(["packed_outputs", "batched_take"], log=False).outcome("batched_take").state
+        == "applied"
+    )
+    n = 300
+    outputs, requests, _ = taken_step(kind, n, seed=1)
+    send, close = _mq_hop()
+    try:
+        theirs = send(outputs)
+        ours = send(PackedAuxOutputs.pack(outputs))
+    finally:
+        close()
+    upstream = held_bytes(theirs)
+    take = real_take_output()
+    handed = {r.request_id: take(r, ours) for r in requests[: n // 2]}
+    assert type(ours) is _Unfilled
+    index = ours._index
+    content = sorted((k, int(v.token_start), v.rows.tobytes()) for k, v in ours.items())
+    assert type(ours) is PackedAuxOutputs  # the read filled it
+    assert content == sorted((k, int(v.token_start), v.rows.tobytes()) for k, v in theirs.items())
+    for rid, rows in handed.items():  # as upstream: the result is the dict's array or a view
+        value = dict.__getitem__(ours, rid)
+        assert rows is value.rows or rows.base is value.rows, rid
+    for rid, value in dict.items(ours):
+        assert value.rows is index[rid][2], rid  # every request's array reused, not copied
+    assert held_bytes(ours) <= upstream + _index_allowance(n)
+    # Later takes (upstream's, on the filled dict) agree with upstream's on its dict.
+    for request in requests:
+        assert take(request, ours).tobytes() == UPSTREAM_TAKE(request, theirs).tobytes()

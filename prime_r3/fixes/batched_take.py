@@ -13,16 +13,17 @@ When ``output`` is a received, still unfilled ``PackedAuxOutputs``
 (``prime_r3.packed`` leaves it unfilled in a process where this patch is in force) that
 holds the request and its accepted range is valid (``0 <= local_end <= its row
 count``, upstream's own arithmetic on the same ``request.request_id`` and
-``request.num_tokens``), the result is a fresh array owning exactly
-``rows[low:low + local_end]`` of the step: one dict get, integer arithmetic, one slice
-and one ``.copy()``. The dict (request id -> first row, token start, row count, as
-Python ints) is built once per step by C-level ``zip``s and cached on the step. The
-step is not filled. A one-row request (a decode step's) whose range is its row gets
-that row copied already: the step's first take copies every one-row request's row into
-an array of its own by one C-level ``map`` (``_lookup``), about half the cost of the
-per-call slice and ``.copy()`` (measured in the bench's engine loop, take_output
-alternating step by step with the per-call version: ``scripts/bench_sched.py
---take-before``); the call is then one dict get, integer arithmetic and a return.
+``request.num_tokens``), the result is what upstream's is: the request's own rows
+array (all its rows: a decode step's one row, a whole prefill chunk), or a view of its
+first ``local_end`` rows (upstream's ``rows[:local_end]``). The call is one dict get,
+integer arithmetic and a return (or one slice). The step's first take splits it
+(``packed._Unfilled._split``): every request's rows copied into an array of its own by
+C-level ``map``s, the index (request id -> token start, row count, rows) built by
+C-level ``zip``s, and the step's packed rows dropped. The step is not filled.
+Making the copies all at once is cheaper than a slice plus ``.copy()`` per call, and
+the split costs no more than the one-row copies it replaced (both measured in the
+bench's engine loop, take_output alternating step by step with the earlier version:
+``scripts/bench_sched.py --take-before``; figures in the README).
 
 Anything else goes to upstream's ``take_output`` itself (the function under ours,
 called directly), so its assertions and their messages are upstream's: a plain dict
@@ -32,12 +33,14 @@ called directly), so its assertions and their messages are upstream's: a plain d
 the request's rows. On a packed step that first fallback fills it (upstream reads it
 as the dict it is); later requests of that step then go to upstream too.
 
-Memory: upstream returns a view of the request's own array, which keeps that whole
-array alive; ours owns exactly the rows it returns (a one-row request's copy made
-ahead is its own row only; those of requests that do not emit die with the step, as
-upstream's dict values do). The unfilled step holds one array
-of the step's rows (what upstream's dict holds in per-request arrays) and dies with
-the ``ModelRunnerOutput``, as upstream's dict does.
+Memory: as upstream's. Upstream returns a view of the request's own array, which
+keeps that whole array alive; ours returns the request's own array or a view of it, so
+a kept result pins that request's rows only, never the step. The step holds its rows
+once at every point: packed in one array until the first take, then one array per
+request (what upstream's dict holds) with the packed rows dropped, until it dies with
+the ``ModelRunnerOutput``, as upstream's dict does; a later fill reuses those arrays.
+Before the split dropped the packed rows, the step held them next to one-row copies
+made ahead: about twice upstream's bytes on a decode step, from the first take on.
 
 Other readers of ``model_runner_output.aux_output_connector_output`` see upstream's
 content: every Python-level dict read of an unfilled step fills it first (``in``,
@@ -60,11 +63,8 @@ upstream's ``TypeError`` message.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
-
-import numpy as np
 
 from prime_r3.fixes import batched_commit
 from prime_r3.fixes.aux_output import CONNECTOR_MODULE as _CONNECTOR
@@ -91,9 +91,6 @@ class Counters(batched_commit.Counters):
 COUNTERS = Counters()
 
 
-_copy = np.ndarray.copy
-
-
 def _batched_take(params: Mapping[str, Any]) -> PlainFactory:
     from prime_r3.packed import _Unfilled  # imports vLLM: only when applying
 
@@ -107,12 +104,11 @@ def _batched_take(params: Mapping[str, Any]) -> PlainFactory:
             if type(output) is not _Unfilled:
                 counters.fallback("not_packed")
                 return upstream(self, request, output)
-            index = output._index
-            if index is None:
-                index = output._index = _lookup(output)
+            places = output._index
+            if places is None:
+                places = output._split()
                 counters.steps += 1
                 counters.batched_steps += 1  # every packed step read is served here
-            places, rows = index
             # Upstream reads request_id first, then (for a present id) num_tokens.
             try:
                 place = places.get(request.request_id)
@@ -121,11 +117,11 @@ def _batched_take(params: Mapping[str, Any]) -> PlainFactory:
             if place is None:
                 counters.fallback("missing")
                 return upstream(self, request, output)
-            low, start, count, own = place
+            start, count, rows = place
             local_end = request.num_tokens - 1 - start
-            if own is not None and local_end == 1:  # the request's one row, already copied
+            if local_end == count:  # all its rows (a decode request's one): its own array
                 counters.fast_requests += 1
-                return own
+                return rows
             if local_end < 0:
                 counters.fallback("before_start")
                 return upstream(self, request, output)
@@ -133,52 +129,11 @@ def _batched_take(params: Mapping[str, Any]) -> PlainFactory:
                 counters.fallback("beyond_rows")
                 return upstream(self, request, output)
             counters.fast_requests += 1
-            return rows[low : low + local_end].copy()
+            return rows[:local_end]  # upstream's slice of the request's array
 
         return take_output
 
     return make
-
-
-def _lookup(output: Any) -> Any:
-    """The step's placement for ``take_output``: request id -> (first row, token start,
-    row count, own), Python ints, and the step's rows, as ``packed._Index``.
-
-    ``own`` is, for a request with exactly one row (a decode step's request, i.e. almost
-    every request of almost every step), that row already copied into an array of its
-    own, or None. The copies are made for all such requests at once by a C-level
-    ``map`` over the rows (``packed._fill``'s copy without its per-request
-    ``AuxRequestOutput``), which costs about half of the slice plus ``.copy()`` that
-    ``take_output`` would otherwise make per call; a one-row request whose accepted
-    range is its row (``local_end == 1``) is then handed that array. A second take of
-    the same request in the same step (vLLM's scheduler takes each once) is handed the
-    same array, where upstream hands a second view of the same memory: the same bytes,
-    shared the same way.
-
-    Memory: each such array owns exactly one request's row (what the slice copy
-    returned), so a kept result pins that request's row only, never the step; the arrays
-    of requests that do not emit this step die with the step, as upstream's dict values
-    do. The whole index lives in the unfilled step's ``_index`` slot, which this is the
-    only producer of (a second producer of another shape would break every take of the
-    step) and this patch the only reader; ``_fill`` drops it.
-    """
-    from prime_r3.packed import _Index  # imported by then (the patch applied)
-
-    ids, starts, offsets, rows = output._packed
-    n = len(ids)
-    counts = offsets[1:] - offsets[:-1]
-    ones = counts == 1
-    if n and int(offsets[-1]) == n and bool(ones.all()):  # a decode step: one row each
-        own: list[Any] = list(map(_copy, rows.reshape((n, 1, *rows.shape[1:]))))
-    else:
-        own = [None] * n
-        picked = np.flatnonzero(ones)
-        if len(picked):
-            gathered = rows[offsets[picked]]  # their rows, in one gather
-            copies = map(_copy, gathered.reshape((len(picked), 1, *rows.shape[1:])))
-            deque(map(own.__setitem__, picked.tolist(), copies), maxlen=0)
-    places = zip(offsets[:-1].tolist(), starts.tolist(), counts.tolist(), own, strict=True)
-    return _Index(dict(zip(ids, places, strict=True)), rows)
 
 
 SPEC = PatchSpec(

@@ -464,9 +464,10 @@ def _select(
     the earlier seven passes (captures, emits, tails' block starts, lengths and slots as
     comprehensions, the checks in numpy, then a write loop) each walked all of them.
     Measured with ``scripts/bench_commit_step.py`` (caches flushed before each step,
-    against the seven passes in the same run, paired medians of 145 iterations): 0.93-0.95
-    of ``process_output`` at N=400 (noise control 0.98-1.02), a tie at N=1000 (1.00-1.01,
-    noise 1.00-1.02). Also measured, on the reads alone: one comprehension yielding
+    against the seven passes in the same run, paired medians of 145 iterations): 0.94-0.98
+    of ``process_output`` at N=400 (noise control 1.00-1.02); at N=1000 0.94 in one run
+    of three (control 0.985), a tie in the others (1.00-1.01, control 1.01-1.02). Also
+    measured, on the reads alone: one comprehension yielding
     tuples then ``zip(*...)`` (1.11x the seven passes), tuples into ``np.array`` (1.64x)
     and ``attrgetter`` maps (1.09x) are all slower; this loop 0.92x. The fast positions
     and in-block offsets are derived after the loop (the common step has no fallback),

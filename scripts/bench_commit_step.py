@@ -1,39 +1,67 @@
 """One bench-like output-worker step through ``process_output``, arms interleaved in one process.
 
-    .venv/bin/python scripts/bench_commit_step.py [--iterations 150] [-n 400]
+    .venv/bin/python scripts/bench_commit_step.py [--before REV] [--iterations 150] [-n 400]
+                                                  [--history]
 
 Why: ``scripts/bench_aux_ab.py`` (whole bench loop, fresh interpreters) is the honest
 end-to-end comparison, but on this shared machine its noise control (``begin_step``,
-``prepare_output``, code neither arm changes) moves 10-30% between arms, more than
-batched_commit's multi-token path and packing cache can save. Here every arm runs the
-same step from the same state, one after another within each iteration (order
-alternating), so load drift hits them alike; ``old_again`` repeats ``old`` as the
-noise control.
+``prepare_output``, code neither arm changes) moves 10-30% between arms, more than a
+change to one of batched_commit's passes can save. Here every arm runs the same step
+from the same state, one after another within each iteration (order alternating), so
+load drift hits them alike; ``before_again`` repeats ``before`` as the noise control.
 
 The step: ``-n`` decodes (buffered tails of every length) and one prompt after a
 prefix hit (496 tokens cached, 16 new, its output read back from the store), as most
 of ``prime-r3 bench``'s multi-token requests are; every patch applied, packed steps
-declared. Arms: ``new`` (as committed), ``no_multi`` (multi-token requests forced to
-upstream's ``_commit_output``, as before the multi-token path), ``no_cache``
-(``state.wrapped_by`` walked every step, as before the cache), ``old`` (both),
-``old_again``. Printed: medians of main-thread CPU per step (us) and the median of the
-per-iteration ratio to ``old``.
+declared; then ``--flush-mb`` written, so the step reads upstream's per-request objects
+from memory, not from a cache the setup just filled (the engine runs a whole model step
+between two commits). Arms: ``new`` (this working tree), ``before`` and ``before_again`` (the
+decode selection, ``batched_commit._select``, of git revision ``--before``: its
+``prime_r3/fixes/batched_commit.py`` is exported as ``bench_aux_ab.py`` exports a
+revision and loaded beside this tree's under another module name, and its ``_select``
+is swapped in for the arm; everything else is this tree's). With ``--history``, also
+``no_multi`` (multi-token requests forced to upstream's ``_commit_output``, as before
+the multi-token path) and ``no_cache`` (``state.wrapped_by`` walked every step, as
+before the cache). Printed: medians of main-thread CPU per step (us) and the median of
+the per-iteration ratio to ``before``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import inspect
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_aux_ab import _export  # noqa: E402 - shared with it
+
+BEFORE = "6921192"
+
+
+def load_revision(ref: str, module: str, into: str) -> ModuleType:
+    """``prime_r3/fixes/<module>.py`` of git revision ``ref``, exported into ``into``
+    and imported as ``_before_<module>`` (its own globals; its ``prime_r3`` imports
+    resolve to this tree's package, which the patch's helpers share)."""
+    _export(ref, into)
+    path = Path(into) / "prime_r3" / "fixes" / f"{module}.py"
+    spec = importlib.util.spec_from_file_location(f"_before_{module}", path)
+    assert spec is not None and spec.loader is not None
+    loaded = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = loaded  # its dataclasses look their module up there
+    spec.loader.exec_module(loaded)
+    return loaded
+
 
 BLOCK, TOKEN_SHAPE, CACHED = 16, (46, 8), 496
 
@@ -42,6 +70,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=150)
     parser.add_argument("-n", type=int, default=400, help="decodes in the step")
+    parser.add_argument("--before", default=BEFORE, help="git revision of the 'before' arms")
+    parser.add_argument("--history", action="store_true", help="also no_multi and no_cache")
+    parser.add_argument(
+        "--flush-mb",
+        type=int,
+        default=64,
+        help="MiB written between a step's setup and its timing (0: none), so upstream's "
+        "per-request objects are read cold, as between two engine steps",
+    )
     args = parser.parse_args()
     if args.iterations < 6:
         parser.error(f"--iterations must be at least 6 (5 are warm-up), got {args.iterations}")
@@ -116,30 +153,39 @@ def main() -> None:
         connector._pending_outputs.append(pending)
         return connector, pending
 
-    select_multi = batched_commit._select_multi
+    with tempfile.TemporaryDirectory(prefix="prime_r3_before_") as into:
+        before = load_revision(args.before, "batched_commit", into)._select
+    select, select_multi = batched_commit._select, batched_commit._select_multi
     cached_answer = batched_commit._PACKING_WRAPS.packed
 
     def no_multi(connector: Any, ids: Any, positions: list[int], *rest: Any) -> Any:
         rest[2]["multi_token"] += len(positions)  # reasons
-        return batched_commit._Multi([], [], [], [], list(positions))
+        return batched_commit._Multi([], [], [], [], list(positions), [])
 
     def walked(cls: type) -> bool:
         attr = inspect.getattr_static(cls, "process_output", None)
         return "packed_outputs" in state.wrapped_by(attr)
 
     arms = {
-        "new": (select_multi, cached_answer),
-        "no_multi": (no_multi, cached_answer),
-        "no_cache": (select_multi, walked),
-        "old": (no_multi, walked),
-        "old_again": (no_multi, walked),
+        "new": (select, select_multi, cached_answer),
+        "before": (before, select_multi, cached_answer),
+        "before_again": (before, select_multi, cached_answer),
     }
+    if args.history:
+        arms["no_multi"] = (select, no_multi, cached_answer)
+        arms["no_cache"] = (select, select_multi, walked)
     names = list(arms)
+    flush = np.zeros(args.flush_mb << 20, np.uint8)
     times: dict[str, list[float]] = {name: [] for name in names}
     for iteration in range(args.iterations):
         for name in names if iteration % 2 == 0 else names[::-1]:
             connector, pending = setup()
-            batched_commit._select_multi, batched_commit._PACKING_WRAPS.packed = arms[name]
+            (
+                batched_commit._select,
+                batched_commit._select_multi,
+                batched_commit._PACKING_WRAPS.packed,
+            ) = arms[name]
+            flush += 1  # evicts the caches (a no-op with --flush-mb 0)
             began = time.thread_time_ns()
             outputs = connector.process_output(pending)
             spent = time.thread_time_ns() - began
@@ -147,14 +193,20 @@ def main() -> None:
             connector.close()
             if iteration >= 5:
                 times[name].append(spent / 1e3)
-    batched_commit._select_multi, batched_commit._PACKING_WRAPS.packed = arms["new"]
+    (
+        batched_commit._select,
+        batched_commit._select_multi,
+        batched_commit._PACKING_WRAPS.packed,
+    ) = arms["new"]
     print(
         f"{args.iterations - 5} iterations, {n} decodes + 1 prefix-hit prompt, "
-        "process_output main-thread CPU (us)"
+        f"process_output main-thread CPU (us); before = {args.before}"
     )
     for name in names:
-        paired = statistics.median(a / b for a, b in zip(times[name], times["old"], strict=True))
-        print(f"{name:>10}: median {statistics.median(times[name]):8.1f}   paired/old {paired:.3f}")
+        paired = statistics.median(a / b for a, b in zip(times[name], times["before"], strict=True))
+        print(
+            f"{name:>12}: median {statistics.median(times[name]):8.1f}   paired/before {paired:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -670,3 +670,69 @@ def test_an_assertion_leaves_later_requests_as_upstream_does(
     assert expected[0] is not None and "unbacked token gap" in expected[0][1]
     _apply("batched_commit")
     assert _failing_step(reference=False) == expected
+
+
+def _waiting_block_step(reference: bool) -> tuple[Any, ...]:
+    """A decode "W" (fast path: cursors at its token start 5, a one-row tail in block 1)
+    whose state holds block 0 in ``pending_blocks`` with block 0's key already in
+    ``aux_output_keys``, beside a plain decode "E". Returns the store calls, the store,
+    the worker state and the outputs after the step."""
+    shape = harness.Shape(block=4, token_shape=(3, 2), dtype=np.uint16)
+    connector = harness.make_connector(shape, reference)
+    key = "vllm-artifact/0/aa"
+    connector._store.put([], retain_keys=[key])  # as begin_step retains a new key
+    state = aux_worker._WorkerRequestState
+    buffer = connector._buffer
+    waiting = buffer.retain_block(np.full((4, 3, 2), 3, np.uint16))  # block 0, unkeyed once
+    connector._requests["W"] = state(
+        aux_output_keys=[key],
+        pending_blocks=[(0, waiting)],
+        capture_cursor=5,
+        scheduled_cursor=5,
+        emit_cursor=5,
+        pending_outputs=1,
+    )
+    buffer.capture("W", 4, np.full((1, 3, 2), 4, np.uint16))
+    connector._requests["E"] = state(
+        capture_cursor=8, scheduled_cursor=8, emit_cursor=8, pending_outputs=1
+    )
+    harness.store_calls(connector)  # only the step's own calls from here
+    rows = np.arange(2 * 6, dtype=np.uint16).reshape(2, 3, 2)
+    pending = _decode_pending(connector, ["W", "E"], [5, 8], [0, 1, 2], rows)
+    connector._pending_outputs.append(pending)
+    outputs = harness.output_state(connector.process_output(pending))
+    result = (
+        harness.store_calls(connector),
+        harness.store_state(connector),
+        harness.worker_state(connector),
+        outputs,
+    )
+    connector.close()
+    return result
+
+
+def test_a_fast_request_with_waiting_blocks_retries_them_as_upstream_does(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """Upstream's ``_commit_output`` hands ``_publish_blocks`` every request's
+    ``(state, completed)`` pair, so a state's waiting (``pending_blocks``) are retried
+    each step, and published once their keys are there. The fast path publishes
+    ``(state, [])`` for a fast request with waiting blocks for that reason: without it
+    block 0 stays pending here, where upstream puts it under its key and frees its slot.
+
+    (Upstream's ``begin_step`` publishes a state's waiting blocks when their keys
+    arrive, under the lock, so at commit time they are still unkeyed and the retry finds
+    nothing ready: removing the branch changed nothing the differential harness
+    compares. The state is built here, keys present without a publication, to pin the
+    retry to upstream's.)
+    Failed when the fast path's ``elif state.pending_blocks`` branch was removed."""
+    expected = _waiting_block_step(reference=True)
+    calls = expected[0]
+    assert [call[0] for call in calls] == ["put"], calls  # upstream's retry published
+    assert [item[0] for item in calls[0][1]] == ["vllm-artifact/0/aa"]
+    assert expected[2][1]["W"][1] == (), expected[2][1]["W"]  # nothing left waiting
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    assert _waiting_block_step(reference=False) == expected
+    counts = batched_commit.COUNTERS.snapshot()
+    assert counts["fast_requests"] == 2 and counts["fallback_requests"] == 0, counts

@@ -21,10 +21,18 @@ order rotated per round; same workload and seed):
   prime arm runs (hypothesis: GC thresholds/allocator reuse).
 * ``off+mem``: R3 off holding ``--mem-mib`` of touched memory (the store's arena is
   ~113 MB at N=400; hypothesis: footprint, TLB).
+* ``off+thr``: R3 off with a stand-in store writer thread (``_StandInWriter``; arena of
+  ``--mem-mib``).
 * ``upstream``: R3 on, no patch (``PRIME_R3=0``, the bench's ``r3_upstream``): if it shows
   the residue too, the residue is R3's, not prime_r3's.
 * ``prime``: R3 on, every patch this release takes (the bench's ``r3_prime``).
 * ``prime-gc``: the prime arm with CPython's default thresholds put back after the freeze.
+* ``mix-prime``, ``mix-upstream``: an R3-off engine and a prime (upstream R3) engine in one
+  interpreter, stepped alternately, each compared with the other in the same process:
+  same heap, GC thresholds, writer thread, arena and machine load, so only what each
+  engine does on its own steps differs (its own R3 calls, its worker's R3 work right
+  before its own ``update_from_output``). Each engine also runs right after the other's
+  step, so both see colder caches than in a process of their own (see ``probe``).
 
 Inside every process, steps rotate through three modes (same process, same workload
 phase, so no cross-process drift):
@@ -45,13 +53,17 @@ Per step, thread CPU (``time.thread_time_ns``) of ``schedule``, ``update`` and `
 declaration still sees the real consumer, checked by its counters), ``take``
 (``take_output``, the class attribute swapped for a timing wrapper only during
 ``update_from_output``, after ``schedule()``, as ``bench_sched.py``; the wrapper's own
-cost subtracted), ``fin`` (``request_finished``, in ``schedule`` and in ``update`` apart),
+cost subtracted; it is wall time, scaled by ``update``'s CPU/wall so time descheduled is not
+counted), ``fin`` (``request_finished``, in ``schedule`` and in ``update`` apart),
 ``gc`` (collections inside the timed calls, from ``gc.callbacks``), and ``ctrl``, a fixed
 pure-Python workload at the end of every step (a per-process speed control). The
 upstream-only pieces: ``add``, ``s_up`` = schedule - meta - fin, ``u_up`` = update - take
 - fin, ``up`` = their sum. Printed: medians over rounds of each arm's per-step mean, the
 ratio to ``off``, each experiment's effect (paired within a process where it is a
-mode), and per-round values.
+mode), and per-round values; ``up-gc`` (the sum without the collections inside it) is
+what the per-round table compares, because GC lands in whichever call allocates when a threshold
+is crossed (upstream R3's per-step objects make it ~0.7 ms per step at N=400).
+``--print-json FILE`` prints the tables of a saved ``--json`` run again.
 """
 
 from __future__ import annotations
@@ -75,6 +87,7 @@ ARMS = (
     "off2",
     "off+gc",
     "off+mem",
+    "off+thr",
     "upstream",
     "prime",
     "prime-gc",
@@ -123,6 +136,50 @@ def _control() -> None:
     sorted(table.items(), key=lambda kv: kv[1] % 97)
 
 
+class _StandInWriter:
+    """``off+thr``: a thread that does, per step, what the store writer's shape is (one
+    step's rows, ``n`` tokens x 368 bytes, copied block by block into an arena of
+    ``mem_mib`` at advancing offsets, one dict entry per block), woken by the engine
+    loop as the real writer is, so that an R3-off process has a second Python thread
+    taking the GIL and touching fresh memory each step (hypothesis: the writer thread,
+    not the R3 work on the main thread, slows upstream's code)."""
+
+    def __init__(self, mem_mib: int, n: int) -> None:
+        import queue
+        import threading
+
+        import numpy as np
+
+        self._arena = np.zeros(mem_mib << 20, np.uint8)
+        self._rows = np.ones(n * 368, np.uint8)
+        self._block = 16 * 368
+        self._slots: dict[int, int] = {}
+        self._work: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="stand-in-writer", daemon=True)
+        self._thread.start()
+        self._step = 0
+
+    def submit(self) -> None:
+        self._step += 1
+        self._work.put(self._step)
+
+    def _run(self) -> None:
+        pos, size, block = 0, len(self._arena), self._block
+        while (step := self._work.get()) is not None:
+            for start in range(0, len(self._rows) - block + 1, block):
+                if pos + block > size:
+                    pos = 0
+                self._arena[pos : pos + block] = self._rows[start : start + block]
+                self._slots[(step << 20) | start] = pos
+                pos += block
+            if len(self._slots) > 200_000:
+                self._slots.clear()
+
+    def close(self) -> None:
+        self._work.put(None)
+        self._thread.join()
+
+
 def _arm(kind: str, n: int, steps: int, warmup: int, flush_kib: int, mem_mib: int) -> dict:
     """One arm in this (fresh) interpreter; per engine, per mode, per piece, the per-step
     mean, ms. ``mix-prime`` / ``mix-upstream``: an R3-off engine and an R3-on engine in
@@ -168,6 +225,7 @@ def _arm(kind: str, n: int, steps: int, warmup: int, flush_kib: int, mem_mib: in
     held = None
     if kind == "off+mem":
         held = np.ones(mem_mib << 20, np.uint8)  # touched: every page resident
+    writer = _StandInWriter(mem_mib, n) if kind == "off+thr" else None
     flush_buf = np.zeros(flush_kib << 10, np.uint8)
     lines = flush_buf[::64]
 
@@ -256,6 +314,8 @@ def _arm(kind: str, n: int, steps: int, warmup: int, flush_kib: int, mem_mib: in
                 return dict(acc)
             job = sim.batch_queue.pop()
             received = sim._complete(job, dummy)
+            if writer is not None:
+                writer.submit()
             if mode == "flush":
                 lines[:] += 1
             spent[0] = spent[1] = 0
@@ -302,6 +362,8 @@ def _arm(kind: str, n: int, steps: int, warmup: int, flush_kib: int, mem_mib: in
             setattr(cls, name, value)
         for sim in sims.values():
             sim.close()
+        if writer is not None:
+            writer.close()
     del held
     out: dict[str, Any] = {"engines": {}}
     for name in sims:

@@ -21,12 +21,9 @@ the per-iteration ratio to ``before``.
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,22 +31,20 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_commit_step import BEFORE, load_revision  # noqa: E402 - shared with it
-
-BLOCK, TOKEN_SHAPE = 16, (46, 8)
+from bench_commit_step import (  # noqa: E402 - shared with it
+    BLOCK,
+    WARMUP,
+    load_revision,
+    parse_step_args,
+    print_medians,
+    step_parser,
+    step_shape,
+    time_arms,
+)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iterations", type=int, default=150)
-    parser.add_argument("-n", type=int, default=400, help="known requests in the step")
-    parser.add_argument("--before", default=BEFORE, help="git revision of the 'before' arms")
-    parser.add_argument("--flush-mb", type=int, default=64, help="MiB written before timing")
-    args = parser.parse_args()
-    if args.iterations < 6:
-        parser.error(f"--iterations must be at least 6 (5 are warm-up), got {args.iterations}")
-
-    import numpy as np
+    args = parse_step_args(step_parser(__doc__, "known requests in the step"))
 
     import prime_r3
 
@@ -63,14 +58,7 @@ def main() -> None:
     from tests import batched_harness as harness
 
     n = args.n
-    shape = harness.Shape(
-        block=BLOCK,
-        token_shape=TOKEN_SHAPE,
-        dtype=np.uint8,
-        max_num_seqs=n + 64,
-        max_batched_tokens=2048,
-        store_slots=8192,
-    )
+    shape = step_shape(n)
 
     def setup() -> tuple[Any, Any]:
         connector = harness.make_connector(shape, reference=False)
@@ -98,31 +86,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="prime_r3_before_") as into:
         before = load_revision(args.before, "batched_begin", into)._trim
     arms = {"new": batched_begin._trim, "before": before, "before_again": before}
-    names = list(arms)
-    flush = np.zeros(args.flush_mb << 20, np.uint8)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for iteration in range(args.iterations):
-        for name in names if iteration % 2 == 0 else names[::-1]:
-            connector, metadata = setup()
-            batched_begin._trim = arms[name]
-            flush += 1  # evicts the caches (a no-op with --flush-mb 0)
-            began = time.thread_time_ns()
-            connector.begin_step(metadata)
-            spent = time.thread_time_ns() - began
-            assert len(connector._requests) == n + 1
-            connector.close()
-            if iteration >= 5:
-                times[name].append(spent / 1e3)
-    batched_begin._trim = arms["new"]
+
+    def swap(trim: Any) -> None:
+        batched_begin._trim = trim
+
+    def check(connector: Any, _: Any) -> None:
+        assert len(connector._requests) == n + 1
+
+    times = time_arms(arms, args.iterations, args.flush_mb, setup, swap, "begin_step", check)
     print(
-        f"{args.iterations - 5} iterations, {n} known requests + 1 new, "
+        f"{args.iterations - WARMUP} iterations, {n} known requests + 1 new, "
         f"begin_step main-thread CPU (us); before = {args.before}"
     )
-    for name in names:
-        paired = statistics.median(a / b for a, b in zip(times[name], times["before"], strict=True))
-        print(
-            f"{name:>12}: median {statistics.median(times[name]):8.1f}   paired/before {paired:.3f}"
-        )
+    print_medians(times)
 
 
 if __name__ == "__main__":

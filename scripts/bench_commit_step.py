@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -64,14 +65,16 @@ def load_revision(ref: str, module: str, into: str) -> ModuleType:
 
 
 BLOCK, TOKEN_SHAPE, CACHED = 16, (46, 8), 496
+WARMUP = 5  # iterations timed but not counted
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def step_parser(doc: str, n_help: str) -> argparse.ArgumentParser:
+    """The options this script and ``bench_begin_step.py`` share (one step, arms
+    interleaved, the 'before' arms from a git revision)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=150)
-    parser.add_argument("-n", type=int, default=400, help="decodes in the step")
+    parser.add_argument("-n", type=int, default=400, help=n_help)
     parser.add_argument("--before", default=BEFORE, help="git revision of the 'before' arms")
-    parser.add_argument("--history", action="store_true", help="also no_multi and no_cache")
     parser.add_argument(
         "--flush-mb",
         type=int,
@@ -79,9 +82,85 @@ def main() -> None:
         help="MiB written between a step's setup and its timing (0: none), so upstream's "
         "per-request objects are read cold, as between two engine steps",
     )
+    return parser
+
+
+def parse_step_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """``parser``'s arguments, ``--iterations`` checked at parse time."""
     args = parser.parse_args()
-    if args.iterations < 6:
-        parser.error(f"--iterations must be at least 6 (5 are warm-up), got {args.iterations}")
+    if args.iterations <= WARMUP:
+        parser.error(
+            f"--iterations must be at least {WARMUP + 1} ({WARMUP} are warm-up), "
+            f"got {args.iterations}"
+        )
+    return args
+
+
+def step_shape(n: int) -> Any:
+    """The connector both step benches build: room for ``n`` requests and some."""
+    import numpy as np
+
+    from tests import batched_harness as harness
+
+    return harness.Shape(
+        block=BLOCK,
+        token_shape=TOKEN_SHAPE,
+        dtype=np.uint8,
+        max_num_seqs=n + 64,
+        max_batched_tokens=2048,
+        store_slots=8192,
+    )
+
+
+def time_arms(
+    arms: dict[str, Any],
+    iterations: int,
+    flush_mb: int,
+    setup: Callable[[], tuple[Any, Any]],
+    swap: Callable[[Any], None],
+    method: str,
+    check: Callable[[Any, Any], None],
+) -> dict[str, list[float]]:
+    """Main-thread CPU (us) of ``connector.<method>(work)`` per arm, after the first
+    ``WARMUP`` iterations: each iteration runs every arm once (order alternating), each
+    on a fresh ``setup()``, with ``swap(arms[name])`` installing the arm and ``flush_mb``
+    MiB written just before the timing (upstream's objects read from memory, as after a
+    model step). ``check(connector, result)`` runs untimed; ``arms["new"]`` is swapped
+    back in at the end. The method is looked up before the clock starts, so the timed
+    interval holds the call alone."""
+    import numpy as np
+
+    names = list(arms)
+    flush = np.zeros(flush_mb << 20, np.uint8)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for iteration in range(iterations):
+        for name in names if iteration % 2 == 0 else names[::-1]:
+            connector, work = setup()
+            swap(arms[name])
+            call = getattr(connector, method)
+            flush += 1  # evicts the caches (a no-op with --flush-mb 0)
+            began = time.thread_time_ns()
+            result = call(work)
+            spent = time.thread_time_ns() - began
+            check(connector, result)
+            connector.close()
+            if iteration >= WARMUP:
+                times[name].append(spent / 1e3)
+    swap(arms["new"])
+    return times
+
+
+def print_medians(times: dict[str, list[float]]) -> None:
+    """Per arm, the median and the median of the per-iteration ratio to ``before``."""
+    for name, values in times.items():
+        paired = statistics.median(a / b for a, b in zip(values, times["before"], strict=True))
+        print(f"{name:>12}: median {statistics.median(values):8.1f}   paired/before {paired:.3f}")
+
+
+def main() -> None:
+    parser = step_parser(__doc__, "decodes in the step")
+    parser.add_argument("--history", action="store_true", help="also no_multi and no_cache")
+    args = parse_step_args(parser)
 
     import numpy as np
 
@@ -101,14 +180,7 @@ def main() -> None:
     from tests import batched_harness as harness
 
     n = args.n
-    shape = harness.Shape(
-        block=BLOCK,
-        token_shape=TOKEN_SHAPE,
-        dtype=np.uint8,
-        max_num_seqs=n + 64,
-        max_batched_tokens=2048,
-        store_slots=8192,
-    )
+    shape = step_shape(n)
     rng = np.random.default_rng(0)
     hashes = [i.to_bytes(8, "little") for i in range(CACHED // BLOCK + 1)]
     keys = [f"vllm-artifact/0/{h.hex()}" for h in hashes]
@@ -174,39 +246,23 @@ def main() -> None:
     if args.history:
         arms["no_multi"] = (select, no_multi, cached_answer)
         arms["no_cache"] = (select, select_multi, walked)
-    names = list(arms)
-    flush = np.zeros(args.flush_mb << 20, np.uint8)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for iteration in range(args.iterations):
-        for name in names if iteration % 2 == 0 else names[::-1]:
-            connector, pending = setup()
-            (
-                batched_commit._select,
-                batched_commit._select_multi,
-                batched_commit._PACKING_WRAPS.packed,
-            ) = arms[name]
-            flush += 1  # evicts the caches (a no-op with --flush-mb 0)
-            began = time.thread_time_ns()
-            outputs = connector.process_output(pending)
-            spent = time.thread_time_ns() - began
-            assert len(outputs) == n + 1
-            connector.close()
-            if iteration >= 5:
-                times[name].append(spent / 1e3)
-    (
-        batched_commit._select,
-        batched_commit._select_multi,
-        batched_commit._PACKING_WRAPS.packed,
-    ) = arms["new"]
+
+    def swap(arm: Any) -> None:
+        (
+            batched_commit._select,
+            batched_commit._select_multi,
+            batched_commit._PACKING_WRAPS.packed,
+        ) = arm
+
+    def check(connector: Any, outputs: Any) -> None:
+        assert len(outputs) == n + 1
+
+    times = time_arms(arms, args.iterations, args.flush_mb, setup, swap, "process_output", check)
     print(
-        f"{args.iterations - 5} iterations, {n} decodes + 1 prefix-hit prompt, "
+        f"{args.iterations - WARMUP} iterations, {n} decodes + 1 prefix-hit prompt, "
         f"process_output main-thread CPU (us); before = {args.before}"
     )
-    for name in names:
-        paired = statistics.median(a / b for a, b in zip(times[name], times["before"], strict=True))
-        print(
-            f"{name:>12}: median {statistics.median(times[name]):8.1f}   paired/before {paired:.3f}"
-        )
+    print_medians(times)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sched import _wrapper_cost  # noqa: E402 - the same wrapper, the same cost
+
 ROOT = Path(__file__).resolve().parent.parent
 _CONNECTOR = "vllm.distributed.aux_output_connector.connector"
 MODES = ("plain", "flush", "probe")
@@ -96,35 +99,6 @@ ARMS = (
 )
 RAW = ("schedule", "update", "add", "meta", "take", "fin_s", "fin_u", "gc", "ctrl")
 PIECES = ("add", "s_up", "u_up", "up", "gc", "up-gc", "meta", "take", "ctrl")
-
-
-def _wrapper_cost() -> float:
-    """ns a timing wrapper adds per call (measured on an empty function)."""
-    clock = time.perf_counter_ns
-
-    def empty(a: Any, b: Any, c: Any) -> None:
-        return None
-
-    spent = [0]
-
-    def timed(a: Any, b: Any, c: Any) -> Any:
-        t0 = clock()
-        try:
-            return empty(a, b, c)
-        finally:
-            spent[0] += clock() - t0
-
-    best_with = best_bare = float("inf")
-    for _ in range(9):
-        t0 = clock()
-        for _ in range(20000):
-            timed(1, 2, 3)
-        best_with = min(best_with, clock() - t0)
-        t0 = clock()
-        for _ in range(20000):
-            empty(1, 2, 3)
-        best_bare = min(best_bare, clock() - t0)
-    return (best_with - best_bare) / 20000
 
 
 def _control() -> None:

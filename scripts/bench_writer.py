@@ -146,20 +146,16 @@ def _restore(cls: Any, snap: dict[str, Any], num_slots: int, nbytes: int) -> Any
     return store
 
 
-def bound_put(
-    self: Any,
-    objects: list[Any],
-    *,
-    retain_keys: Iterable[str] = (),
-    release_keys: Iterable[str] = (),
-) -> None:
-    """0.31/0.32 ``put`` with its per-block write loop cut to the LRU stores alone.
-
-    A measuring device, not a patch: it writes no payload. Everything before the loop is
-    upstream's order of operations (through the instance's own, possibly patched, parts).
-    """
-    arena = self._arena
-    if arena is None:
+def _place(
+    self: Any, objects: list[Any], retain_keys: Iterable[str], release_keys: Iterable[str]
+) -> tuple[dict[str, Any], list[str], list[int]]:
+    """0.31/0.32 ``put`` up to its per-block write loop: the batch's keys de-duplicated,
+    retains, releases, LRU moves and evictions in upstream's order (through the instance's
+    own, possibly patched, parts), then the new keys' slots taken as upstream takes them
+    (free list from its end, then fresh slots). The LRU is left at ``-1`` for the new keys:
+    what follows decides what a slot costs. One body for ``bound_put`` and ``candidate_put``,
+    so the two devices differ only in the write loop they measure."""
+    if self._arena is None:
         raise RuntimeError("auxiliary output store is closed")
     unique = {obj.key: obj for obj in objects}
     self._retain(retain_keys)
@@ -185,7 +181,23 @@ def bound_put(
     del free[len(free) - take :]
     slots += range(self._next_slot, self._next_slot + len(new) - take)
     self._next_slot += len(new) - take
-    lru.update(zip(new, slots, strict=True))
+    return unique, new, slots
+
+
+def bound_put(
+    self: Any,
+    objects: list[Any],
+    *,
+    retain_keys: Iterable[str] = (),
+    release_keys: Iterable[str] = (),
+) -> None:
+    """0.31/0.32 ``put`` with its per-block write loop cut to the LRU stores alone.
+
+    A measuring device, not a patch: it writes no payload. Everything before the loop is
+    upstream's order of operations (``_place``).
+    """
+    _, new, slots = _place(self, objects, retain_keys, release_keys)
+    self._lru.update(zip(new, slots, strict=True))
 
 
 def candidate_put(
@@ -197,41 +209,15 @@ def candidate_put(
 ) -> None:
     """``bound_put`` plus the payload copies: what a batched write loop would cost.
 
-    Slots are allocated in upstream's order (free list from its end, then fresh slots);
-    payloads are copied with one slice assignment when the slots are consecutive, else one
-    per block in a tight loop (no per-block method call). A measuring device: the parity
-    of this device is tested against upstream's ``put`` (tests/test_bench_writer.py).
+    Slots are allocated in upstream's order (``_place``); payloads are copied with one
+    slice assignment when the slots are consecutive, else one per block in a tight loop
+    (no per-block method call). A measuring device: the parity of this device is tested
+    against upstream's ``put`` (tests/test_bench_writer.py).
     """
-
-    arena = self._arena
-    if arena is None:
-        raise RuntimeError("auxiliary output store is closed")
-    unique = {obj.key: obj for obj in objects}
-    self._retain(retain_keys)
-    terminal_order = self._release(release_keys)
-    lru = self._lru
-    for key in unique:
-        lru.setdefault(key, -1)
-        lru.move_to_end(key)
-    for key in terminal_order:
-        if key in lru:
-            lru.move_to_end(key)
-    try:
-        self._evict_to_fit(set(unique) - set(terminal_order))
-    except BlockObjectStoreError:  # upstream's: forget the batch's keys never written
-        for key in unique:
-            if lru.get(key) == -1:
-                del lru[key]
-        raise
-    new = [key for key in unique if lru.get(key) == -1]
+    unique, new, slots = _place(self, objects, retain_keys, release_keys)
     if not new:
         return
-    free = self._free_slots
-    take = min(len(new), len(free))
-    slots = free[len(free) - take :][::-1]
-    del free[len(free) - take :]
-    slots += range(self._next_slot, self._next_slot + len(new) - take)
-    self._next_slot += len(new) - take
+    arena = self._arena
     size = self.object_nbytes
     first = slots[0]
     if slots == list(range(first, first + len(slots))):
@@ -242,7 +228,7 @@ def candidate_put(
         for slot, key in zip(slots, new, strict=True):
             offset = slot * size
             arena[offset : offset + size] = unique[key].payload
-    lru.update(zip(new, slots, strict=True))
+    self._lru.update(zip(new, slots, strict=True))
 
 
 def replay_models(store: Any) -> bool:

@@ -429,6 +429,10 @@ def test_a_capture_upstream_refuses_goes_to_upstream(
     batched_commit.COUNTERS.reset()
     assert _gap_step(reference=False, case=case) == expected
     counts = batched_commit.COUNTERS.snapshot()
+    if case == "no_slot":  # one free slot for two requests: the whole step is upstream's
+        assert counts["fallback_reasons"] == {"step": 2}, counts
+        assert counts["fast_requests"] == 0, counts
+        return
     assert counts["fallback_reasons"] == {"multi_token_tail": 1}, counts
     assert counts["fast_requests"] == 1 and counts["fast_multi_token"] == 0, counts
 
@@ -736,3 +740,60 @@ def test_a_fast_request_with_waiting_blocks_retries_them_as_upstream_does(
     assert _waiting_block_step(reference=False) == expected
     counts = batched_commit.COUNTERS.snapshot()
     assert counts["fast_requests"] == 2 and counts["fallback_requests"] == 0, counts
+
+
+def _short_pool_step(reference: bool, order: str, free: int) -> tuple[Any, Any]:
+    """One step over requests in batch order ``order`` with ``free`` free buffer slots:
+    "A" a first capture at token 0 (upstream's fallback; its new tail takes a slot), "X"
+    a capture upstream refuses (an unbacked gap: capture cursor 2, token start 5), "D" a
+    decode at token 4 without a tail (the fast path; its new tail takes a slot), "E" a
+    decode on its buffered tail (the fast path, no slot). Returns (the error, the worker
+    state after process_output)."""
+    connector = harness.make_connector(harness.Shape(block=4), reference)
+    state = aux_worker._WorkerRequestState
+    cursors = {"A": (None, 0, 0), "X": (2, 2, 2), "D": (4, 4, 4), "E": (5, 5, 5)}
+    for request_id in order:
+        capture, scheduled, emit = cursors[request_id]
+        connector._requests[request_id] = state(
+            capture_cursor=capture,
+            scheduled_cursor=scheduled,
+            emit_cursor=emit,
+            pending_outputs=1,
+        )
+    if "E" in order:
+        connector._buffer.capture("E", 4, np.full((1, 3, 2), 7, np.uint16))
+    del connector._buffer._free_slots[:-free]
+    starts = {"A": 0, "X": 5, "D": 4, "E": 5}
+    n = len(order)
+    rows = np.arange(n * 6, dtype=np.uint16).reshape(n, 3, 2)
+    pending = _decode_pending(
+        connector, list(order), [starts[r] for r in order], list(range(n + 1)), rows
+    )
+    return _process_and_close(connector, pending)
+
+
+@pytest.mark.parametrize(
+    ("order", "free"),
+    [("AXD", 1), ("AD", 1), ("DA", 1), ("EAD", 1), ("ED", 1), ("AD", 2), ("EAD", 3)],
+)
+def test_a_short_pool_raises_upstreams_error_at_upstreams_request(
+    reverted: pytest.MonkeyPatch, order: str, free: int
+) -> None:
+    """With fewer free buffer slots than requests, the decodes' new tails took the last
+    slots before upstream's loop ran the fallback, so a fallback request ahead of them in
+    batch order found the pool exhausted. "AXD" with one slot raised "block pool is
+    exhausted" (for A) where upstream gives A the slot and raises X's unbacked token gap:
+    the engine died naming the wrong cause. "AD" and "EAD" with one slot raised upstream's
+    error but left D committed on the slot upstream gives A (upstream raises at D). Found
+    by review of the one-pass ``_select``; those three failed on 9026d1b, "DA" and "ED"
+    (parity held there) only pin the rule: such a step now goes to upstream whole. With
+    a slot per request ("AD" with two, "EAD" with three) the fast path still runs."""
+    expected = _short_pool_step(reference=True, order=order, free=free)
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    assert _short_pool_step(reference=False, order=order, free=free) == expected
+    counts = batched_commit.COUNTERS.snapshot()
+    if free < len(order):
+        assert counts["fallback_reasons"] == {"step": len(order)}, counts
+    else:
+        assert counts["fast_requests"] >= 1, counts

@@ -98,9 +98,9 @@ class Counters:
     the bench and the tests read. batched_commit's reasons for one-token requests:
     ``rejected``, ``not_sampled``, ``cursor`` (capture/emit cursor not at the token
     start: rewind, store emit, prompt start, first capture, no state), ``tail`` (not
-    contiguous with the buffered tail, unaligned new block, no free slot); for
-    multi-token ones the ``multi_token_*`` reasons of ``_select_multi``; ``step`` (the
-    whole step went to upstream).
+    contiguous with the buffered tail, unaligned new block); for multi-token ones the
+    ``multi_token_*`` reasons of ``_select_multi``; ``step`` (the whole step went to
+    upstream: no fast decode, a malformed step, fewer free buffer slots than requests).
     """
 
     def __init__(self) -> None:
@@ -456,7 +456,7 @@ def _select(
 
     One pass over the candidates, each reading its state and tail once and, when they
     pass, writing them right away: what decides a request is its own state and tail
-    (and whether a free slot is left, taken in batch order as before), so nothing is
+    (a free slot is left for every request of the step: see below), so nothing is
     written for a request that goes to upstream, and nothing at all when none is fast.
     Why: upstream's objects are cold when the output worker commits (the model ran in
     between: ``bench_commit_step``'s step takes ~1.1 ms at N=400 with caches flushed, as
@@ -481,6 +481,15 @@ def _select(
     block_size = buffer.block_size
     tails = buffer._requests
     free_slots = buffer._free_slots
+    if len(free_slots) < len(ids):
+        # A capture takes at most one free slot (its new tail), so with a slot per request
+        # no request of the step can find the pool exhausted, whatever the order the
+        # slots are taken in. With fewer, one may: upstream asserts at the first request
+        # in batch order that finds none, after the slots went to the requests ahead of
+        # it; here the decodes take theirs first, and a fallback request ahead of them
+        # found none and raised "pool is exhausted" where upstream raised another
+        # request's error (or at another request). Such a step goes to upstream whole.
+        return None
     first = int(candidates[0])
     if int(candidates[-1]) - first + 1 == m:  # one run (decodes before prefills): slices
         cand: Any = range(first, first + m)
@@ -496,7 +505,6 @@ def _select(
     get_tail = tails.get
     rows_of = buffer._rows
     owned_slots = buffer._owned_slots
-    free = len(free_slots)
     fallback: list[int] = []
     slots: list[int] = []
     published: list[Any] = []
@@ -514,11 +522,11 @@ def _select(
         local = start % block_size
         tail = get_tail(request_id)
         if tail is None:
-            # Upstream's _tail makes a tail for an aligned start, from a free slot.
-            if local or not free:
+            # Upstream's _tail makes a tail for an aligned start, from a free slot (there
+            # is one: checked above).
+            if local:
                 fallback.append(j)
                 continue
-            free -= 1
             tail = request_tail(free_slots.pop(), start)
             tails[request_id] = tail
             created.append((j, tail))
@@ -684,7 +692,7 @@ def _select_multi(
         token_end = token_start + end - start
         if token_end % block_size and (tail is None or token_end - tail.block_start >= block_size):
             slots -= 1
-            if slots < 0:  # upstream asserts "pool is exhausted" for it: let it
+            if slots < 0:  # upstream would assert; _select sends such a step upstream whole
                 short = True
     if short:
         drop("multi_token_tail", lambda item: True)

@@ -797,3 +797,39 @@ def test_a_short_pool_raises_upstreams_error_at_upstreams_request(
         assert counts["fallback_reasons"] == {"step": len(order)}, counts
     else:
         assert counts["fast_requests"] >= 1, counts
+
+
+def _float_step(reference: bool, field: str) -> tuple[Any, Any, Any]:
+    """A decode "D" (cursors at its token start 4) whose step carries ``field`` as
+    float64, as no runner sends it: (the error, the outputs, the worker state)."""
+    connector = harness.make_connector(harness.Shape(block=4), reference)
+    connector._requests["D"] = aux_worker._WorkerRequestState(
+        capture_cursor=4, scheduled_cursor=4, emit_cursor=4, pending_outputs=1
+    )
+    rows = np.arange(6, dtype=np.uint16).reshape(1, 3, 2)
+    pending = _decode_pending(connector, ["D"], [4], [0, 1], rows)
+    setattr(pending, field, getattr(pending, field).astype(np.float64))
+    connector._pending_outputs.append(pending)
+    error = outputs = None
+    try:
+        outputs = harness.output_state(connector.process_output(pending))
+    except Exception as caught:  # noqa: BLE001
+        error = harness.error_of(caught)
+    state = harness.worker_state(connector)
+    connector.close()
+    return error, outputs, state
+
+
+@pytest.mark.parametrize("field", ["token_starts", "query_start_loc"])
+def test_float_starts_or_bounds_go_to_upstream(reverted: pytest.MonkeyPatch, field: str) -> None:
+    """Upstream indexes the rows and the buffer with the token starts and query start
+    locations, so float ones raise there (IndexError, TypeError); the fast path cast them
+    (``np.asarray(..., dtype=np.int64)``, ``tolist``) and committed the step, a float
+    start leaving a float length in upstream's ``_RequestTail``. Found by review of the
+    one-pass ``_select``; failed on 9026d1b. Such a step goes to upstream whole."""
+    expected = _float_step(reference=True, field=field)
+    assert expected[0] is not None and expected[0][0] in {"IndexError", "TypeError"}
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    assert _float_step(reference=False, field=field) == expected
+    assert batched_commit.COUNTERS.snapshot()["fallback_reasons"] == {"step": 1}

@@ -37,7 +37,9 @@ asserts on, ...) goes through upstream's ``_commit_output`` itself, in the same 
 ``PendingAuxOutput`` holding just those requests (``dataclasses.replace``; its rows are
 a view of the snapshot when they are contiguous, else one gather). A step that does not
 look like upstream's contract at all (mismatched lengths, duplicate ids, a token count
-out of range, a different row profile) goes to upstream whole, so upstream raises.
+out of range, float token starts or bounds, a different row profile) goes to upstream
+whole, so upstream raises; so does a step with fewer free buffer slots than requests
+(where upstream may assert "pool is exhausted": at the request it would).
 
 Differences from upstream, and why they are not observable:
 
@@ -307,7 +309,7 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
             return _upstream_step(wrapped, args, kwargs, pending)
         ids = pending.request_ids
         n = len(ids)
-        qsl = np.asarray(pending.query_start_loc, dtype=np.int64)
+        qsl = np.asarray(pending.query_start_loc)
         token_starts = np.asarray(pending.token_starts)
         sampled = np.asarray(pending.num_sampled)
         rejected = np.asarray(pending.num_rejected)
@@ -318,8 +320,13 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
             or token_starts.shape != (n,)
             or sampled.shape != (n,)
             or rejected.shape != (n,)
+            # Upstream indexes rows and buffer slots with these: it raises on floats, where
+            # a cast here would commit them (and a float start left float tail lengths).
+            or qsl.dtype.kind not in "iu"
+            or token_starts.dtype.kind not in "iu"
         ):
             return _upstream_step(wrapped, args, kwargs, pending)
+        qsl = qsl.astype(np.int64, copy=False)
         num_tokens = qsl[1:] - qsl[:-1]
         if (
             bool((num_tokens <= 0).any())

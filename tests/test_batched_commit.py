@@ -833,3 +833,26 @@ def test_float_starts_or_bounds_go_to_upstream(reverted: pytest.MonkeyPatch, fie
     batched_commit.COUNTERS.reset()
     assert _float_step(reference=False, field=field) == expected
     assert batched_commit.COUNTERS.snapshot()["fallback_reasons"] == {"step": 1}
+
+
+def test_reasons_have_no_zero_entries(reverted: pytest.MonkeyPatch) -> None:
+    """A decode beside a one-token prefill chunk that samples nothing: the counters give
+    the chunk's reason only (before: ``{"rejected": 0, "not_sampled": 1}``, a zero entry
+    for every such step; found by review, failed on 9026d1b)."""
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    connector = harness.make_connector(harness.Shape(block=4), reference=False)
+    state = aux_worker._WorkerRequestState
+    connector._requests["D"] = state(
+        capture_cursor=4, scheduled_cursor=4, emit_cursor=4, pending_outputs=1
+    )
+    connector._requests["P"] = state(emit_cursor=0, pending_outputs=1)
+    rows = np.arange(2 * 6, dtype=np.uint16).reshape(2, 3, 2)
+    pending = _decode_pending(connector, ["D", "P"], [4, 0], [0, 1, 2], rows)
+    pending.num_sampled = np.array([1, 0], dtype=np.int32)
+    connector._pending_outputs.append(pending)
+    assert list(connector.process_output(pending)) == ["D"]
+    connector.close()
+    counts = batched_commit.COUNTERS.snapshot()
+    assert counts["fast_requests"] == 1, counts
+    assert counts["fallback_reasons"] == {"not_sampled": 1}, counts

@@ -357,8 +357,12 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
             not_decode = ~decode
             single = not_decode & (num_tokens == 1)
             if single.any():
-                reasons["rejected"] += int((single & (rejected != 0)).sum())
-                reasons["not_sampled"] += int((single & (rejected == 0) & (sampled <= 0)).sum())
+                some_rejected = int((single & (rejected != 0)).sum())
+                not_sampled = int((single & (rejected == 0) & (sampled <= 0)).sum())
+                if some_rejected:  # no zero entries in the counters' reasons
+                    reasons["rejected"] += some_rejected
+                if not_sampled:
+                    reasons["not_sampled"] += not_sampled
                 fallback.extend(np.flatnonzero(single).tolist())
             several = np.flatnonzero(not_decode & (num_tokens > 1)).tolist()
             if several:

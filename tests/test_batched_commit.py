@@ -856,3 +856,58 @@ def test_reasons_have_no_zero_entries(reverted: pytest.MonkeyPatch) -> None:
     counts = batched_commit.COUNTERS.snapshot()
     assert counts["fast_requests"] == 1, counts
     assert counts["fallback_reasons"] == {"not_sampled": 1}, counts
+
+
+def _short_publication_step(reference: bool, order: str) -> tuple[Any, Any]:
+    """One step over requests in batch order ``order`` (as in ``_slot_step``: "D" a
+    decode, "A" drafts with one rejected, "B" a 6-token prompt; each starts a new tail,
+    "A" and "B" also complete a block no key is known for) with exactly one free buffer
+    slot per request: the captures find a slot each, the publication's
+    ``retain_block`` of the unkeyed blocks finds the pool exhausted. Returns (the error,
+    the worker state after process_output)."""
+    shape = harness.Shape(block=4, token_shape=(3, 2), dtype=np.uint16)
+    connector = harness.make_connector(shape, reference)
+    state = aux_worker._WorkerRequestState
+    cursors = {"D": (4, 4, 4), "A": (0, 0, 0), "B": (None, 0, 0)}
+    size = {"D": 1, "A": 7, "B": 6}
+    start = {"D": 4, "A": 0, "B": 0}
+    for request_id in order:
+        capture, scheduled, emit = cursors[request_id]
+        connector._requests[request_id] = state(
+            capture_cursor=capture, scheduled_cursor=scheduled, emit_cursor=emit
+        )
+        connector._requests[request_id].pending_outputs += 1
+    del connector._buffer._free_slots[: -len(order)]
+    ids = list(order)
+    qsl = np.concatenate(([0], np.cumsum([size[r] for r in ids]))).astype(np.int32)
+    rows = np.arange(int(qsl[-1]) * 6, dtype=np.uint16).reshape(-1, 3, 2)
+    pending = aux_worker.PendingAuxOutput(
+        connector=connector,
+        request_ids=ids,
+        token_starts=np.array([start[r] for r in ids], dtype=np.int32),
+        query_start_loc=qsl,
+        routed_experts_gpu=None,
+        routed_experts=rows,
+        num_sampled=np.ones(len(ids), dtype=np.int32),
+        num_rejected=np.array([int(r == "A") for r in ids], dtype=np.int32),
+    )
+    return _process_and_close(connector, pending)
+
+
+@pytest.mark.parametrize("order", ["BD", "BAD", "ADB"])
+def test_a_publication_that_raises_leaves_upstreams_slots(
+    reverted: pytest.MonkeyPatch, order: str
+) -> None:
+    """When the step's publication raises (here ``retain_block`` finds the pool
+    exhausted), the step's new tails hold the slots upstream gives them: the fast path
+    gave them upstream's slots (``_slots_in_batch_order``) only after the publication,
+    so a raising one left them in the fast path's pop order (decodes first). Found by
+    fuzzing the differential harness with tiny pools and comparing the state after the
+    error; failed on 9026d1b for each order."""
+    expected = _short_publication_step(reference=True, order=order)
+    assert expected[0] is not None and "pool is exhausted" in expected[0][1], expected
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    assert _short_publication_step(reference=False, order=order) == expected
+    counts = batched_commit.COUNTERS.snapshot()
+    assert counts["fast_requests"] == len(order) - order.count("A"), counts

@@ -388,6 +388,8 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
         direct: list[tuple[int, str, Any]] = []
         materialised: list[tuple[str, Any]] = []
         if not fallback:
+            if len(created) > max(decode_created, 1):  # tails from more than the decodes
+                _slots_in_batch_order(instance._buffer, created)
             if published:  # upstream's own publication, same pairs, batch order
                 instance._publish_blocks(published)
             if multi is not None and multi.materialise:
@@ -399,22 +401,29 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
             position = dict(zip(sub.request_ids, fallback, strict=True))
             tails = instance._buffer._requests
             before = [tails.get(request_id) for request_id in sub.request_ids]
-            with _one_publication(instance, published, published_at, fallback):
+            ordered: list[bool] = []
+
+            def order_slots() -> None:
+                # The tails upstream's capture made for the fallback requests (their
+                # slots were popped after ours, in batch order) join the step's others.
+                ordered.append(True)
+                for j, request_id, old in zip(fallback, sub.request_ids, before, strict=True):
+                    tail = tails.get(request_id)
+                    if tail is not None and tail is not old:
+                        created.append((j, tail))
+                if len(created) > max(decode_created, 1):
+                    _slots_in_batch_order(instance._buffer, created)
+
+            with _one_publication(instance, published, published_at, fallback, order_slots):
                 sub_outputs = wrapped(sub)
-            # The tails upstream's capture made for the fallback requests: their slots
-            # were popped after ours, in batch order.
-            for j, request_id, old in zip(fallback, sub.request_ids, before, strict=True):
-                tail = tails.get(request_id)
-                if tail is not None and tail is not old:
-                    created.append((j, tail))
+            if not ordered:  # upstream returned without publishing (not upstream's code)
+                order_slots()
             for request_id, output in sub_outputs.items():
                 value_rows = output.rows
                 if isinstance(value_rows, np.ndarray) and _root(value_rows) is sub_root:
                     direct.append((position[request_id], request_id, output))
                 else:
                     materialised.append((request_id, output))
-        if len(created) > max(decode_created, 1):  # tails from more than the decode path
-            _slots_in_batch_order(instance._buffer, created)
         if multi is not None and multi.direct:
             direct = (
                 sorted(direct + multi.direct, key=operator.itemgetter(0))
@@ -771,7 +780,9 @@ def _slots_in_batch_order(buffer: Any, created: list[tuple[int, Any]]) -> None:
     ascending, the i-th tail in batch order gets the i-th slot popped and its rows (its
     length's worth) move with it. A slot's bytes past its tail's length are a former
     tenant's here and upstream, not always the same one's: nothing reads them (``read``
-    stays within the length, a tail is completed by writing the rest).
+    stays within the length, a tail is completed by writing the rest). Done once all
+    captures are in and before the publication (which reads no new tail's slot), so a
+    publication that raises leaves the tails where upstream's does.
     """
     positions = [j for j, _ in created]
     if all(a < b for a, b in zip(positions, positions[1:], strict=False)):
@@ -834,7 +845,11 @@ def _materialise(
 
 @contextlib.contextmanager
 def _one_publication(
-    connector: Any, published: list[Any], published_at: list[int], fallback: list[int]
+    connector: Any,
+    published: list[Any],
+    published_at: list[int],
+    fallback: list[int],
+    before: Any,
 ) -> Iterator[None]:
     """Upstream's single ``_publish_blocks`` call for the whole step, in batch order.
 
@@ -846,11 +861,16 @@ def _one_publication(
     ``(state, completed)`` pairs with the fallback's by batch position, so the store
     gets the one ``put`` upstream makes, before any fallback emit reads it. The
     instance attribute lives only for this call (under the connector's lock).
+
+    ``before()`` runs first (all captures are done then): it gives the step's new tails
+    upstream's slots, so a publication that raises (``retain_block`` finding the pool
+    exhausted) leaves them where upstream's does.
     """
     publish = connector._publish_blocks  # upstream's bound method
 
     def merged(batches: list[Any], *args: Any, **kwargs: Any) -> Any:
         connector.__dict__.pop("_publish_blocks", None)  # one merge per step
+        before()
         if len(batches) != len(fallback):  # not the call we expect: publish separately
             if published:
                 publish(published)

@@ -20,7 +20,8 @@ token starts, row bytes), what the real ``AuxOutputSchedulerConnector.take_outpu
 hands each request (bytes, or the exact error), the errors raised, every request's
 worker state and buffered tail, and the store: keys, payloads, references and the
 order of evictable keys. An episode ends at the first error (the engine would die);
-both sides must raise the same one.
+both sides must raise the same one, and a ``process_output`` that raised must leave the
+same worker state, buffer and store behind.
 """
 
 from __future__ import annotations
@@ -562,6 +563,10 @@ class Episode:
             except Exception as error:  # noqa: BLE001
                 outputs[name] = None
                 errors[name] = error_of(error)
+        if errors["upstream"] is not None and errors["upstream"] == errors["patched"]:
+            # The engine dies with this error, but what it left behind must be what
+            # upstream leaves: the worker state, buffer slots, store calls and store.
+            self._compare_state()
         self._compare_errors(errors, "process_output")
         # The scheduler's update_from_output: rejected tokens roll back, samples append.
         takers = []

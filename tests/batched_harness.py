@@ -105,6 +105,9 @@ class Shape:
     max_batched_tokens: int = 64
     store_slots: int = 1024
     background: bool = False
+    #: Free buffer slots left at the start (None: the buffer's own sizing), to run the
+    #: pool dry: upstream asserts "block pool is exhausted" where it does.
+    free_slots: int | None = None
 
 
 def make_connector(shape: Shape, reference: bool) -> Any:
@@ -120,6 +123,9 @@ def make_connector(shape: Shape, reference: bool) -> Any:
     connector._buffer = RoutedExpertsBuffer(
         dtype, shape.token_shape, shape.block, shape.max_num_seqs, shape.max_batched_tokens, 2
     )
+    if shape.free_slots is not None:  # the last ones: those the buffer pops first
+        free = connector._buffer._free_slots
+        free[:] = free[len(free) - shape.free_slots :]
     connector._requests = {}
     connector._generation = 0
     connector._step_metadata = None

@@ -911,3 +911,34 @@ def test_a_publication_that_raises_leaves_upstreams_slots(
     assert _short_publication_step(reference=False, order=order) == expected
     counts = batched_commit.COUNTERS.snapshot()
     assert counts["fast_requests"] == len(order) - order.count("A"), counts
+
+
+@pytest.mark.parametrize("free_slots", [None, 5, 9], ids=["roomy", "pool5", "pool9"])
+@pytest.mark.parametrize("block", [2, 3, 8])
+def test_differential_parity_other_blocks_and_tiny_pools(
+    reverted: pytest.MonkeyPatch, block: int, free_slots: int | None
+) -> None:
+    """The differential workload at hash block sizes 2, 3 and 8 (the main test runs 4),
+    with the buffer's own pool and with pools of 5 and 9 free slots, which run dry: the
+    episodes then end on upstream's "block pool is exhausted", and the harness compares
+    what that ``process_output`` left behind (worker state, slots, store). Before the
+    one-slot-per-request rule and the tails' slots being ordered before the publication,
+    the tiny pools failed on 9026d1b."""
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    ends: Counter[Any] = Counter()
+    for seed in range(8):
+        shape = harness.Shape(
+            block=block,
+            max_num_seqs=12,
+            max_batched_tokens=32,
+            store_slots=(1024, 96)[seed % 2],
+            free_slots=free_slots,
+        )
+        episode = harness.run_episode(seed, 150, shape, async_scheduling=seed % 2 == 1)
+        ends[None if episode.dead is None else episode.dead[1]] += 1
+    counts = batched_commit.COUNTERS.snapshot()
+    assert counts["fast_requests"] > 0 and counts["fast_multi_token"] > 0, counts
+    if free_slots is not None:  # the pool ran dry, and short steps went upstream whole
+        assert ends["auxiliary output block pool is exhausted"] > 0, ends
+        assert counts["fallback_reasons"].get("step", 0) > 0, counts

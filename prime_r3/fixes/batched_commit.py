@@ -53,9 +53,15 @@ Differences from upstream, and why they are not observable:
   fast one's rows, and a later prefix hit emitted them.)
 * Dict order: direct outputs in batch order, then outputs materialised from the store
   or buffer (as upstream's), since upstream's order is kept.
-* Buffer slots: fast requests' new tails take their slots before the fallback
-  requests' (upstream: in batch order). A slot's index is never read back: rows are
-  copied out of it (``read``, ``tobytes``, ``retain_block``).
+* Buffer slots: fast requests' new tails pop their slots before the fallback
+  requests' (upstream: in batch order); once all captures are in, before the
+  publication, each new tail is given the slot upstream gives it, rows and all
+  (``_slots_in_batch_order``).
+* Errors: when upstream's loop raises on a fallback request, the fast requests after
+  it in batch order are already committed, where upstream leaves them untouched (the
+  worker is dead after the error either way; a strict xfail test pins it). A capture
+  takes at most one free slot, and a step with fewer free slots than requests goes to
+  upstream whole, so no request finds the pool exhausted that upstream would not.
 
 Counters (``COUNTERS``) say which requests were ours and which upstream's, by reason.
 """

@@ -169,7 +169,13 @@ def _split_meta(cls: Any, acc: dict[str, float], cpu: Any) -> Any:
 
 
 def _arm(
-    n: int, steps: int, warmup: int, r3: bool, split_meta: bool = True, take_before: str = ""
+    n: int,
+    steps: int,
+    warmup: int,
+    r3: bool,
+    split_meta: bool = True,
+    take_before: str = "",
+    replay: bool = True,
 ) -> dict[str, Any]:
     """One arm in this (fresh) interpreter: per-step means of every piece, ms."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -316,7 +322,7 @@ def _arm(
         acc["take_calls"] += spent[1]
         per_step[name]["take"].append((spent[0] - overhead * spent[1]) / 1e6)
         per_step[name]["update"].append(spent_update / 1e6)
-        if r3:
+        if r3 and replay:
             emitted = [
                 sched_.requests[o.request_id]
                 for eco in outputs.values()
@@ -413,12 +419,23 @@ def main() -> None:
         "take_output step by step between this checkout's batched_take and that one "
         "(same process, same steps)",
     )
+    parser.add_argument(
+        "--no-replay",
+        action="store_true",
+        help="skip take_replay/take_up/take_floor (the replay runs between update_from_output "
+        "and add_request, so it perturbs the pieces after it: see bench_sched_residue.py)",
+    )
     parser.add_argument("--arm", choices=("off", "prime"), help=argparse.SUPPRESS)
     parser.add_argument("--take-file", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.arm:
         result = _arm(
-            int(args.n), args.steps, args.warmup, args.arm == "prime", take_before=args.take_file
+            int(args.n),
+            args.steps,
+            args.warmup,
+            args.arm == "prime",
+            take_before=args.take_file,
+            replay=not args.no_replay,
         )
         print(json.dumps(result))
         return
@@ -444,6 +461,7 @@ def main() -> None:
                     kind = "off" if arm == "off" else "prime"
                     command = [sys.executable, __file__, "--arm", kind, "-n", str(n)]
                     command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+                    command += ["--no-replay"] if args.no_replay else []
                     out = subprocess.run(
                         command, check=True, capture_output=True, text=True, env=env, cwd=where
                     ).stdout

@@ -162,6 +162,21 @@ def test_fast_path_counts_and_rows(reverted: pytest.MonkeyPatch) -> None:
     assert 0 < counts["batched_steps"] <= counts["steps"]
 
 
+def test_a_reason_counted_zero_times_is_not_recorded() -> None:
+    """A mixed step's one-token non-decodes count ``rejected`` and ``not_sampled`` in one
+    go (``reasons[...] += int(...)``), so one of them is often 0: the counters keep only
+    the reasons that occurred (the bench prints them as the step's fallback reasons)."""
+    counters = batched_commit.CommitCounters()
+    step_reasons: Counter[str] = Counter()
+    step_reasons["rejected"] += 0
+    step_reasons["not_sampled"] += 2
+    counters.add(5, step_reasons)
+    counters.add(7, Counter())
+    snapshot = counters.snapshot()
+    assert snapshot["fallback_reasons"] == {"not_sampled": 2}
+    assert snapshot["fallback_requests"] == 2 and snapshot["fast_requests"] == 12
+
+
 def test_whole_step_goes_upstream_when_the_step_is_malformed(reverted: pytest.MonkeyPatch) -> None:
     """Mismatched lengths: upstream raises its own error, and the step is counted as such."""
     _apply("batched_commit")

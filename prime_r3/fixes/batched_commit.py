@@ -129,8 +129,11 @@ class Counters:
             self.batched_steps += fast > 0
             self.fast_requests += fast
             if reasons:  # the common step has none: no Counter.update per step
-                self.fallback_requests += sum(reasons.values())
-                self.fallback_reasons.update(reasons)
+                # A reason counted zero times this step (a mixed step's ``rejected``
+                # when only ``not_sampled`` occurred) is not a reason: no 0 entries.
+                counted = {reason: count for reason, count in reasons.items() if count}
+                self.fallback_requests += sum(counted.values())
+                self.fallback_reasons.update(counted)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

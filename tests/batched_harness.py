@@ -20,7 +20,8 @@ token starts, row bytes), what the real ``AuxOutputSchedulerConnector.take_outpu
 hands each request (bytes, or the exact error), the errors raised, every request's
 worker state and buffered tail, and the store: keys, payloads, references and the
 order of evictable keys. An episode ends at the first error (the engine would die);
-both sides must raise the same one.
+both sides must raise the same one, and a ``process_output`` that raised must leave the
+same worker state, buffer and store behind.
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ class Shape:
     max_batched_tokens: int = 64
     store_slots: int = 1024
     background: bool = False
+    #: Free buffer slots left at the start (None: the buffer's own sizing), to run the
+    #: pool dry: upstream asserts "block pool is exhausted" where it does.
+    free_slots: int | None = None
 
 
 def make_connector(shape: Shape, reference: bool) -> Any:
@@ -119,6 +123,9 @@ def make_connector(shape: Shape, reference: bool) -> Any:
     connector._buffer = RoutedExpertsBuffer(
         dtype, shape.token_shape, shape.block, shape.max_num_seqs, shape.max_batched_tokens, 2
     )
+    if shape.free_slots is not None:  # the last ones: those the buffer pops first
+        free = connector._buffer._free_slots
+        free[:] = free[len(free) - shape.free_slots :]
     connector._requests = {}
     connector._generation = 0
     connector._step_metadata = None
@@ -562,6 +569,10 @@ class Episode:
             except Exception as error:  # noqa: BLE001
                 outputs[name] = None
                 errors[name] = error_of(error)
+        if errors["upstream"] is not None and errors["upstream"] == errors["patched"]:
+            # The engine dies with this error, but what it left behind must be what
+            # upstream leaves: the worker state, buffer slots, store calls and store.
+            self._compare_state()
         self._compare_errors(errors, "process_output")
         # The scheduler's update_from_output: rejected tokens roll back, samples append.
         takers = []

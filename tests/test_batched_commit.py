@@ -444,6 +444,10 @@ def test_a_capture_upstream_refuses_goes_to_upstream(
     batched_commit.COUNTERS.reset()
     assert _gap_step(reference=False, case=case) == expected
     counts = batched_commit.COUNTERS.snapshot()
+    if case == "no_slot":  # one free slot for two requests: the whole step is upstream's
+        assert counts["fallback_reasons"] == {"step": 2}, counts
+        assert counts["fast_requests"] == 0, counts
+        return
     assert counts["fallback_reasons"] == {"multi_token_tail": 1}, counts
     assert counts["fast_requests"] == 1 and counts["fast_multi_token"] == 0, counts
 
@@ -751,3 +755,205 @@ def test_a_fast_request_with_waiting_blocks_retries_them_as_upstream_does(
     assert _waiting_block_step(reference=False) == expected
     counts = batched_commit.COUNTERS.snapshot()
     assert counts["fast_requests"] == 2 and counts["fallback_requests"] == 0, counts
+
+
+def _short_pool_step(reference: bool, order: str, free: int) -> tuple[Any, Any]:
+    """One step over requests in batch order ``order`` with ``free`` free buffer slots:
+    "A" a first capture at token 0 (upstream's fallback; its new tail takes a slot), "X"
+    a capture upstream refuses (an unbacked gap: capture cursor 2, token start 5), "D" a
+    decode at token 4 without a tail (the fast path; its new tail takes a slot), "E" a
+    decode on its buffered tail (the fast path, no slot). Returns (the error, the worker
+    state after process_output)."""
+    connector = harness.make_connector(harness.Shape(block=4), reference)
+    state = aux_worker._WorkerRequestState
+    cursors = {"A": (None, 0, 0), "X": (2, 2, 2), "D": (4, 4, 4), "E": (5, 5, 5)}
+    for request_id in order:
+        capture, scheduled, emit = cursors[request_id]
+        connector._requests[request_id] = state(
+            capture_cursor=capture,
+            scheduled_cursor=scheduled,
+            emit_cursor=emit,
+            pending_outputs=1,
+        )
+    if "E" in order:
+        connector._buffer.capture("E", 4, np.full((1, 3, 2), 7, np.uint16))
+    del connector._buffer._free_slots[:-free]
+    starts = {"A": 0, "X": 5, "D": 4, "E": 5}
+    n = len(order)
+    rows = np.arange(n * 6, dtype=np.uint16).reshape(n, 3, 2)
+    pending = _decode_pending(
+        connector, list(order), [starts[r] for r in order], list(range(n + 1)), rows
+    )
+    return _process_and_close(connector, pending)
+
+
+@pytest.mark.parametrize(
+    ("order", "free"),
+    [("AXD", 1), ("AD", 1), ("DA", 1), ("EAD", 1), ("ED", 1), ("AD", 2), ("EAD", 3)],
+)
+def test_a_short_pool_raises_upstreams_error_at_upstreams_request(
+    reverted: pytest.MonkeyPatch, order: str, free: int
+) -> None:
+    """With fewer free buffer slots than requests, the decodes' new tails took the last
+    slots before upstream's loop ran the fallback, so a fallback request ahead of them in
+    batch order found the pool exhausted. "AXD" with one slot raised "block pool is
+    exhausted" (for A) where upstream gives A the slot and raises X's unbacked token gap:
+    the engine died naming the wrong cause. "AD" and "EAD" with one slot raised upstream's
+    error but left D committed on the slot upstream gives A (upstream raises at D). Found
+    by review of the one-pass ``_select``; those three failed on 9026d1b, "DA" and "ED"
+    (parity held there) only pin the rule: such a step now goes to upstream whole. With
+    a slot per request ("AD" with two, "EAD" with three) the fast path still runs."""
+    expected = _short_pool_step(reference=True, order=order, free=free)
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    assert _short_pool_step(reference=False, order=order, free=free) == expected
+    counts = batched_commit.COUNTERS.snapshot()
+    if free < len(order):
+        assert counts["fallback_reasons"] == {"step": len(order)}, counts
+    else:
+        assert counts["fast_requests"] >= 1, counts
+
+
+def _float_step(reference: bool, field: str) -> tuple[Any, Any, Any]:
+    """A decode "D" (cursors at its token start 4) whose step carries ``field`` as
+    float64, as no runner sends it: (the error, the outputs, the worker state)."""
+    connector = harness.make_connector(harness.Shape(block=4), reference)
+    connector._requests["D"] = aux_worker._WorkerRequestState(
+        capture_cursor=4, scheduled_cursor=4, emit_cursor=4, pending_outputs=1
+    )
+    rows = np.arange(6, dtype=np.uint16).reshape(1, 3, 2)
+    pending = _decode_pending(connector, ["D"], [4], [0, 1], rows)
+    setattr(pending, field, getattr(pending, field).astype(np.float64))
+    connector._pending_outputs.append(pending)
+    error = outputs = None
+    try:
+        outputs = harness.output_state(connector.process_output(pending))
+    except Exception as caught:  # noqa: BLE001
+        error = harness.error_of(caught)
+    state = harness.worker_state(connector)
+    connector.close()
+    return error, outputs, state
+
+
+@pytest.mark.parametrize("field", ["token_starts", "query_start_loc"])
+def test_float_starts_or_bounds_go_to_upstream(reverted: pytest.MonkeyPatch, field: str) -> None:
+    """Upstream indexes the rows and the buffer with the token starts and query start
+    locations, so float ones raise there (IndexError, TypeError); the fast path cast them
+    (``np.asarray(..., dtype=np.int64)``, ``tolist``) and committed the step, a float
+    start leaving a float length in upstream's ``_RequestTail``. Found by review of the
+    one-pass ``_select``; failed on 9026d1b. Such a step goes to upstream whole."""
+    expected = _float_step(reference=True, field=field)
+    assert expected[0] is not None and expected[0][0] in {"IndexError", "TypeError"}
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    assert _float_step(reference=False, field=field) == expected
+    assert batched_commit.COUNTERS.snapshot()["fallback_reasons"] == {"step": 1}
+
+
+def test_reasons_have_no_zero_entries(reverted: pytest.MonkeyPatch) -> None:
+    """A decode beside a one-token prefill chunk that samples nothing: the counters give
+    the chunk's reason only (before: ``{"rejected": 0, "not_sampled": 1}``, a zero entry
+    for every such step; found by review, failed on 9026d1b)."""
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    connector = harness.make_connector(harness.Shape(block=4), reference=False)
+    state = aux_worker._WorkerRequestState
+    connector._requests["D"] = state(
+        capture_cursor=4, scheduled_cursor=4, emit_cursor=4, pending_outputs=1
+    )
+    connector._requests["P"] = state(emit_cursor=0, pending_outputs=1)
+    rows = np.arange(2 * 6, dtype=np.uint16).reshape(2, 3, 2)
+    pending = _decode_pending(connector, ["D", "P"], [4, 0], [0, 1, 2], rows)
+    pending.num_sampled = np.array([1, 0], dtype=np.int32)
+    connector._pending_outputs.append(pending)
+    assert list(connector.process_output(pending)) == ["D"]
+    connector.close()
+    counts = batched_commit.COUNTERS.snapshot()
+    assert counts["fast_requests"] == 1, counts
+    assert counts["fallback_reasons"] == {"not_sampled": 1}, counts
+
+
+def _short_publication_step(reference: bool, order: str) -> tuple[Any, Any]:
+    """One step over requests in batch order ``order`` (as in ``_slot_step``: "D" a
+    decode, "A" drafts with one rejected, "B" a 6-token prompt; each starts a new tail,
+    "A" and "B" also complete a block no key is known for) with exactly one free buffer
+    slot per request: the captures find a slot each, the publication's
+    ``retain_block`` of the unkeyed blocks finds the pool exhausted. Returns (the error,
+    the worker state after process_output)."""
+    shape = harness.Shape(block=4, token_shape=(3, 2), dtype=np.uint16)
+    connector = harness.make_connector(shape, reference)
+    state = aux_worker._WorkerRequestState
+    cursors = {"D": (4, 4, 4), "A": (0, 0, 0), "B": (None, 0, 0)}
+    size = {"D": 1, "A": 7, "B": 6}
+    start = {"D": 4, "A": 0, "B": 0}
+    for request_id in order:
+        capture, scheduled, emit = cursors[request_id]
+        connector._requests[request_id] = state(
+            capture_cursor=capture, scheduled_cursor=scheduled, emit_cursor=emit
+        )
+        connector._requests[request_id].pending_outputs += 1
+    del connector._buffer._free_slots[: -len(order)]
+    ids = list(order)
+    qsl = np.concatenate(([0], np.cumsum([size[r] for r in ids]))).astype(np.int32)
+    rows = np.arange(int(qsl[-1]) * 6, dtype=np.uint16).reshape(-1, 3, 2)
+    pending = aux_worker.PendingAuxOutput(
+        connector=connector,
+        request_ids=ids,
+        token_starts=np.array([start[r] for r in ids], dtype=np.int32),
+        query_start_loc=qsl,
+        routed_experts_gpu=None,
+        routed_experts=rows,
+        num_sampled=np.ones(len(ids), dtype=np.int32),
+        num_rejected=np.array([int(r == "A") for r in ids], dtype=np.int32),
+    )
+    return _process_and_close(connector, pending)
+
+
+@pytest.mark.parametrize("order", ["BD", "BAD", "ADB"])
+def test_a_publication_that_raises_leaves_upstreams_slots(
+    reverted: pytest.MonkeyPatch, order: str
+) -> None:
+    """When the step's publication raises (here ``retain_block`` finds the pool
+    exhausted), the step's new tails hold the slots upstream gives them: the fast path
+    gave them upstream's slots (``_slots_in_batch_order``) only after the publication,
+    so a raising one left them in the fast path's pop order (decodes first). Found by
+    fuzzing the differential harness with tiny pools and comparing the state after the
+    error; failed on 9026d1b for each order."""
+    expected = _short_publication_step(reference=True, order=order)
+    assert expected[0] is not None and "pool is exhausted" in expected[0][1], expected
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    assert _short_publication_step(reference=False, order=order) == expected
+    counts = batched_commit.COUNTERS.snapshot()
+    assert counts["fast_requests"] == len(order) - order.count("A"), counts
+
+
+@pytest.mark.parametrize("free_slots", [None, 5, 9], ids=["roomy", "pool5", "pool9"])
+@pytest.mark.parametrize("block", [2, 3, 8])
+def test_differential_parity_other_blocks_and_tiny_pools(
+    reverted: pytest.MonkeyPatch, block: int, free_slots: int | None
+) -> None:
+    """The differential workload at hash block sizes 2, 3 and 8 (the main test runs 4),
+    with the buffer's own pool and with pools of 5 and 9 free slots, which run dry: the
+    episodes then end on upstream's "block pool is exhausted", and the harness compares
+    what that ``process_output`` left behind (worker state, slots, store). Before the
+    one-slot-per-request rule and the tails' slots being ordered before the publication,
+    the tiny pools failed on 9026d1b."""
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    ends: Counter[Any] = Counter()
+    for seed in range(8):
+        shape = harness.Shape(
+            block=block,
+            max_num_seqs=12,
+            max_batched_tokens=32,
+            store_slots=(1024, 96)[seed % 2],
+            free_slots=free_slots,
+        )
+        episode = harness.run_episode(seed, 150, shape, async_scheduling=seed % 2 == 1)
+        ends[None if episode.dead is None else episode.dead[1]] += 1
+    counts = batched_commit.COUNTERS.snapshot()
+    assert counts["fast_requests"] > 0 and counts["fast_multi_token"] > 0, counts
+    if free_slots is not None:  # the pool ran dry, and short steps went upstream whole
+        assert ends["auxiliary output block pool is exhausted"] > 0, ends
+        assert counts["fallback_reasons"].get("step", 0) > 0, counts

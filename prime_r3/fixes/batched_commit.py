@@ -37,7 +37,9 @@ asserts on, ...) goes through upstream's ``_commit_output`` itself, in the same 
 ``PendingAuxOutput`` holding just those requests (``dataclasses.replace``; its rows are
 a view of the snapshot when they are contiguous, else one gather). A step that does not
 look like upstream's contract at all (mismatched lengths, duplicate ids, a token count
-out of range, a different row profile) goes to upstream whole, so upstream raises.
+out of range, float token starts or bounds, a different row profile) goes to upstream
+whole, so upstream raises; so does a step with fewer free buffer slots than requests
+(where upstream may assert "pool is exhausted": at the request it would).
 
 Differences from upstream, and why they are not observable:
 
@@ -51,9 +53,15 @@ Differences from upstream, and why they are not observable:
   fast one's rows, and a later prefix hit emitted them.)
 * Dict order: direct outputs in batch order, then outputs materialised from the store
   or buffer (as upstream's), since upstream's order is kept.
-* Buffer slots: fast requests' new tails take their slots before the fallback
-  requests' (upstream: in batch order). A slot's index is never read back: rows are
-  copied out of it (``read``, ``tobytes``, ``retain_block``).
+* Buffer slots: fast requests' new tails pop their slots before the fallback
+  requests' (upstream: in batch order); once all captures are in, before the
+  publication, each new tail is given the slot upstream gives it, rows and all
+  (``_slots_in_batch_order``).
+* Errors: when upstream's loop raises on a fallback request, the fast requests after
+  it in batch order are already committed, where upstream leaves them untouched (the
+  worker is dead after the error either way; a strict xfail test pins it). A capture
+  takes at most one free slot, and a step with fewer free slots than requests goes to
+  upstream whole, so no request finds the pool exhausted that upstream would not.
 
 Counters (``COUNTERS``) say which requests were ours and which upstream's, by reason.
 """
@@ -98,9 +106,9 @@ class Counters:
     the bench and the tests read. batched_commit's reasons for one-token requests:
     ``rejected``, ``not_sampled``, ``cursor`` (capture/emit cursor not at the token
     start: rewind, store emit, prompt start, first capture, no state), ``tail`` (not
-    contiguous with the buffered tail, unaligned new block, no free slot); for
-    multi-token ones the ``multi_token_*`` reasons of ``_select_multi``; ``step`` (the
-    whole step went to upstream).
+    contiguous with the buffered tail, unaligned new block); for multi-token ones the
+    ``multi_token_*`` reasons of ``_select_multi``; ``step`` (the whole step went to
+    upstream: no fast decode, a malformed step, fewer free buffer slots than requests).
     """
 
     def __init__(self) -> None:
@@ -310,7 +318,7 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
             return _upstream_step(wrapped, args, kwargs, pending)
         ids = pending.request_ids
         n = len(ids)
-        qsl = np.asarray(pending.query_start_loc, dtype=np.int64)
+        qsl = np.asarray(pending.query_start_loc)
         token_starts = np.asarray(pending.token_starts)
         sampled = np.asarray(pending.num_sampled)
         rejected = np.asarray(pending.num_rejected)
@@ -321,8 +329,13 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
             or token_starts.shape != (n,)
             or sampled.shape != (n,)
             or rejected.shape != (n,)
+            # Upstream indexes rows and buffer slots with these: it raises on floats, where
+            # a cast here would commit them (and a float start left float tail lengths).
+            or qsl.dtype.kind not in "iu"
+            or token_starts.dtype.kind not in "iu"
         ):
             return _upstream_step(wrapped, args, kwargs, pending)
+        qsl = qsl.astype(np.int64, copy=False)
         num_tokens = qsl[1:] - qsl[:-1]
         if (
             bool((num_tokens <= 0).any())
@@ -353,8 +366,12 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
             not_decode = ~decode
             single = not_decode & (num_tokens == 1)
             if single.any():
-                reasons["rejected"] += int((single & (rejected != 0)).sum())
-                reasons["not_sampled"] += int((single & (rejected == 0) & (sampled <= 0)).sum())
+                some_rejected = int((single & (rejected != 0)).sum())
+                not_sampled = int((single & (rejected == 0) & (sampled <= 0)).sum())
+                if some_rejected:  # no zero entries in the counters' reasons
+                    reasons["rejected"] += some_rejected
+                if not_sampled:
+                    reasons["not_sampled"] += not_sampled
                 fallback.extend(np.flatnonzero(single).tolist())
             several = np.flatnonzero(not_decode & (num_tokens > 1)).tolist()
             if several:
@@ -380,6 +397,8 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
         direct: list[tuple[int, str, Any]] = []
         materialised: list[tuple[str, Any]] = []
         if not fallback:
+            if len(created) > max(decode_created, 1):  # tails from more than the decodes
+                _slots_in_batch_order(instance._buffer, created)
             if published:  # upstream's own publication, same pairs, batch order
                 instance._publish_blocks(published)
             if multi is not None and multi.materialise:
@@ -391,22 +410,29 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
             position = dict(zip(sub.request_ids, fallback, strict=True))
             tails = instance._buffer._requests
             before = [tails.get(request_id) for request_id in sub.request_ids]
-            with _one_publication(instance, published, published_at, fallback):
+            ordered: list[bool] = []
+
+            def order_slots() -> None:
+                # The tails upstream's capture made for the fallback requests (their
+                # slots were popped after ours, in batch order) join the step's others.
+                ordered.append(True)
+                for j, request_id, old in zip(fallback, sub.request_ids, before, strict=True):
+                    tail = tails.get(request_id)
+                    if tail is not None and tail is not old:
+                        created.append((j, tail))
+                if len(created) > max(decode_created, 1):
+                    _slots_in_batch_order(instance._buffer, created)
+
+            with _one_publication(instance, published, published_at, fallback, order_slots):
                 sub_outputs = wrapped(sub)
-            # The tails upstream's capture made for the fallback requests: their slots
-            # were popped after ours, in batch order.
-            for j, request_id, old in zip(fallback, sub.request_ids, before, strict=True):
-                tail = tails.get(request_id)
-                if tail is not None and tail is not old:
-                    created.append((j, tail))
+            if not ordered:  # upstream returned without publishing (not upstream's code)
+                order_slots()
             for request_id, output in sub_outputs.items():
                 value_rows = output.rows
                 if isinstance(value_rows, np.ndarray) and _root(value_rows) is sub_root:
                     direct.append((position[request_id], request_id, output))
                 else:
                     materialised.append((request_id, output))
-        if len(created) > max(decode_created, 1):  # tails from more than the decode path
-            _slots_in_batch_order(instance._buffer, created)
         if multi is not None and multi.direct:
             direct = (
                 sorted(direct + multi.direct, key=operator.itemgetter(0))
@@ -459,7 +485,7 @@ def _select(
 
     One pass over the candidates, each reading its state and tail once and, when they
     pass, writing them right away: what decides a request is its own state and tail
-    (and whether a free slot is left, taken in batch order as before), so nothing is
+    (a free slot is left for every request of the step: see below), so nothing is
     written for a request that goes to upstream, and nothing at all when none is fast.
     Why: upstream's objects are cold when the output worker commits (the model ran in
     between: ``bench_commit_step``'s step takes ~1.1 ms at N=400 with caches flushed, as
@@ -484,6 +510,15 @@ def _select(
     block_size = buffer.block_size
     tails = buffer._requests
     free_slots = buffer._free_slots
+    if len(free_slots) < len(ids):
+        # A capture takes at most one free slot (its new tail), so with a slot per request
+        # no request of the step can find the pool exhausted, whatever the order the
+        # slots are taken in. With fewer, one may: upstream asserts at the first request
+        # in batch order that finds none, after the slots went to the requests ahead of
+        # it; here the decodes take theirs first, and a fallback request ahead of them
+        # found none and raised "pool is exhausted" where upstream raised another
+        # request's error (or at another request). Such a step goes to upstream whole.
+        return None
     first = int(candidates[0])
     if int(candidates[-1]) - first + 1 == m:  # one run (decodes before prefills): slices
         cand: Any = range(first, first + m)
@@ -499,7 +534,6 @@ def _select(
     get_tail = tails.get
     rows_of = buffer._rows
     owned_slots = buffer._owned_slots
-    free = len(free_slots)
     fallback: list[int] = []
     slots: list[int] = []
     published: list[Any] = []
@@ -517,11 +551,11 @@ def _select(
         local = start % block_size
         tail = get_tail(request_id)
         if tail is None:
-            # Upstream's _tail makes a tail for an aligned start, from a free slot.
-            if local or not free:
+            # Upstream's _tail makes a tail for an aligned start, from a free slot (there
+            # is one: checked above).
+            if local:
                 fallback.append(j)
                 continue
-            free -= 1
             tail = request_tail(free_slots.pop(), start)
             tails[request_id] = tail
             created.append((j, tail))
@@ -687,7 +721,7 @@ def _select_multi(
         token_end = token_start + end - start
         if token_end % block_size and (tail is None or token_end - tail.block_start >= block_size):
             slots -= 1
-            if slots < 0:  # upstream asserts "pool is exhausted" for it: let it
+            if slots < 0:  # upstream would assert; _select sends such a step upstream whole
                 short = True
     if short:
         drop("multi_token_tail", lambda item: True)
@@ -755,7 +789,9 @@ def _slots_in_batch_order(buffer: Any, created: list[tuple[int, Any]]) -> None:
     ascending, the i-th tail in batch order gets the i-th slot popped and its rows (its
     length's worth) move with it. A slot's bytes past its tail's length are a former
     tenant's here and upstream, not always the same one's: nothing reads them (``read``
-    stays within the length, a tail is completed by writing the rest).
+    stays within the length, a tail is completed by writing the rest). Done once all
+    captures are in and before the publication (which reads no new tail's slot), so a
+    publication that raises leaves the tails where upstream's does.
     """
     positions = [j for j, _ in created]
     if all(a < b for a, b in zip(positions, positions[1:], strict=False)):
@@ -818,7 +854,11 @@ def _materialise(
 
 @contextlib.contextmanager
 def _one_publication(
-    connector: Any, published: list[Any], published_at: list[int], fallback: list[int]
+    connector: Any,
+    published: list[Any],
+    published_at: list[int],
+    fallback: list[int],
+    before: Any,
 ) -> Iterator[None]:
     """Upstream's single ``_publish_blocks`` call for the whole step, in batch order.
 
@@ -830,11 +870,16 @@ def _one_publication(
     ``(state, completed)`` pairs with the fallback's by batch position, so the store
     gets the one ``put`` upstream makes, before any fallback emit reads it. The
     instance attribute lives only for this call (under the connector's lock).
+
+    ``before()`` runs first (all captures are done then): it gives the step's new tails
+    upstream's slots, so a publication that raises (``retain_block`` finding the pool
+    exhausted) leaves them where upstream's does.
     """
     publish = connector._publish_blocks  # upstream's bound method
 
     def merged(batches: list[Any], *args: Any, **kwargs: Any) -> Any:
         connector.__dict__.pop("_publish_blocks", None)  # one merge per step
+        before()
         if len(batches) != len(fallback):  # not the call we expect: publish separately
             if published:
                 publish(published)

@@ -164,7 +164,7 @@ def test_rows_and_errors_are_upstreams_after_the_real_message_queue(
 def test_a_step_of_valid_takes_is_never_filled_and_each_result_pins_its_request_only(
     reverted: pytest.MonkeyPatch, transport: Callable[[Any], Any]
 ) -> None:
-    """The fast path: no fill; each result is its request's own array or a view of it,
+    """The fast path: no fill; each result is a view of its request's own array,
     writable, pinning no more than upstream's result (a view of the request's whole
     array) and never the step's rows."""
     _apply("packed_outputs", "batched_take")
@@ -188,7 +188,7 @@ def test_a_step_of_valid_takes_is_never_filled_and_each_result_pins_its_request_
             expected.shape,
             expected.tobytes(),
         )
-        owner = rows if rows.base is None else rows.base
+        owner = rows.base
         assert owner.flags.owndata and rows.flags.writeable
         assert owner.nbytes == outputs[request.request_id].rows.nbytes  # its request's rows
     assert type(ours) is _Unfilled and dict.__len__(ours) == 0  # never filled
@@ -207,10 +207,10 @@ def test_every_request_gets_its_own_array_made_once_per_step(
     reverted: pytest.MonkeyPatch, transport: Callable[[Any], Any], kind: str
 ) -> None:
     """The step's first take splits it (``_Unfilled._split``): every request's rows
-    copied once into an array of its own, the packed rows dropped. A take of all of a
-    request's rows is handed that array, a shorter range a view of it (upstream's
-    ``rows[:local_end]`` of its per-request array): the same bytes as upstream, and the
-    result pins that request's rows only. A decode step (every request one row) and a
+    copied once into an array of its own, the packed rows dropped. A take is handed a
+    view of that array, of all its rows or fewer (upstream's ``rows[:local_end]`` of its
+    per-request array): the same bytes as upstream, and the result pins that request's
+    rows only. A decode step (every request one row) and a
     mixed one (zero-row, prefill and one-row requests). Invalid ranges (before its
     start, beyond its rows) take upstream's branches as before."""
     _apply("packed_outputs", "batched_take")
@@ -253,7 +253,7 @@ def test_every_request_gets_its_own_array_made_once_per_step(
         assert (start, count) == (int(outputs[rid].token_start), len(own))
     for rid, end, rows in handed:
         own = places[rid][2]
-        assert rows is own if end == len(own) else rows.base is own, (rid, end)
+        assert rows is not own and rows.base is own, (rid, end)  # a view, as upstream's
     assert any(end == len(places[rid][2]) for rid, end, _ in handed)
     assert any(end < len(places[rid][2]) for rid, end, _ in handed)
     counts = batched_take.COUNTERS.snapshot()
@@ -275,6 +275,83 @@ def test_real_requests_from_the_real_scheduler(
     results = [result(reference, r, theirs) for r in requests]
     assert [result(take, r, ours) for r in requests] == results
     assert {r[0] for r in results} == {"rows", "none", "raise"}
+
+
+_FLAGS = ("OWNDATA", "C_CONTIGUOUS", "F_CONTIGUOUS", "ALIGNED")
+
+
+def _look(rows: np.ndarray, writable_source: bool) -> tuple[Any, ...]:
+    """What a caller can see of a result besides its bytes: shape, flags, base or not.
+
+    Writeability only where the worker's rows were writable: upstream's received array
+    keeps a read-only source's flag, a received packed step's rows are all writable
+    (packed_outputs' private copies, since before this change; not compared here)."""
+    writeable = rows.flags.writeable if writable_source else None
+    return (
+        rows.dtype.str,
+        rows.shape,
+        *(rows.flags[f] for f in _FLAGS),
+        writeable,
+        rows.base is None,
+    )
+
+
+def test_each_take_is_a_fresh_view_with_upstreams_flags_and_no_shared_attributes(
+    reverted: pytest.MonkeyPatch, transport: Callable[[Any], Any]
+) -> None:
+    """Upstream's ``take_output`` returns ``rows[:local_end]``: a fresh view of the
+    request's array on every call, also when ``local_end`` is all its rows. At 0d3d83c
+    such a take was handed the split's array itself: its flags said it owned its data
+    (upstream's view does not, and its ``base`` is the dict's array), and a caller that
+    set the result's writeable flag or shape thereby set them on a second take of the
+    same request and on the step's content after a fill, where upstream's dict and
+    later takes are untouched (failed before the fix: OWNDATA True vs False)."""
+    _apply("packed_outputs", "batched_take")
+    outputs, requests = make_step(np.random.default_rng(31), 300)
+    valid = [
+        r
+        for r in requests
+        if r.request_id in outputs
+        and 0
+        <= r.num_tokens - 1 - int(outputs[r.request_id].token_start)
+        <= len(outputs[r.request_id].rows)
+    ]
+    assert any(
+        r.num_tokens - 1 - int(outputs[r.request_id].token_start)
+        == len(outputs[r.request_id].rows)
+        > 0
+        for r in valid
+    )
+    theirs = transport(outputs)
+    ours = transport(PackedAuxOutputs.pack(outputs))
+    take, reference = scheduler_take(), upstream_take()
+    for request in valid:
+        rows, expected = take(request, ours), reference(request, theirs)
+        writable = bool(outputs[request.request_id].rows.flags.writeable)
+        assert _look(rows, writable) == _look(expected, writable), request.request_id
+        assert rows.tobytes() == expected.tobytes()
+        # A caller changes what it was handed (not the bytes): a view's own attributes.
+        for handed in (rows, expected):
+            handed.flags.writeable = False
+            handed.shape = (handed.size,)
+    assert type(ours) is _Unfilled  # every take so far served by batched_take
+    for request in valid:  # a second take of each request, then the dict after a fill
+        rows, expected = take(request, ours), reference(request, theirs)
+        writable = bool(outputs[request.request_id].rows.flags.writeable)
+        assert _look(rows, writable) == _look(expected, writable), request.request_id
+
+    def content(step: Any) -> dict[str, Any]:
+        # The dict's own arrays: ours own their data, upstream's may view the transport
+        # buffer (the memory tests compare what they keep alive); the rest is compared.
+        return {
+            k: (look[:2], look[3:7], v.rows.tobytes())
+            for k, v in step.items()
+            for look in [_look(v.rows, bool(outputs[k].rows.flags.writeable))]
+        }
+
+    mine = content(ours)
+    assert type(ours) is PackedAuxOutputs  # filled from the split's arrays
+    assert mine == content(theirs)
 
 
 def test_other_readers_of_an_unfilled_step_see_upstreams_dict(
@@ -451,5 +528,5 @@ def test_bench_packing_take_arms_read_the_index_batched_take_builds(
         handed = [take(r, step) for r in requests]
         assert [h.tobytes() for h in handed] == [v.rows.tobytes() for v in outputs.values()]
         places = step._index
-        assert all(places[r.request_id][2] is h for r, h in zip(requests, handed, strict=True))
+        assert all(places[r.request_id][2] is h.base for r, h in zip(requests, handed, strict=True))
     prime_r3.revert(["batched_take"])

@@ -354,6 +354,33 @@ def test_each_take_is_a_fresh_view_with_upstreams_flags_and_no_shared_attributes
     assert mine == content(theirs)
 
 
+def test_a_fill_after_a_split_pairs_each_id_with_its_rows_when_ids_repeat(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """A received step's ids are a dict's keys, so this writer never repeats one; a
+    foreign writer's step may. Filled without a take, a repeated id keeps its last rows
+    (as a dict built from the pairs), and the split's index agrees. At 0d3d83c a fill
+    after a take read the split's arrays in the index's order, one entry per distinct
+    id, against the step's ids: every request after the repeat got the next one's rows
+    and the last none (``AttributeError`` on ``.rows``). Failed before the fix."""
+    _apply("packed_outputs", "batched_take")
+    rows = np.arange(5 * 46 * 8, dtype=np.uint8).reshape(5, 46, 8)
+    ids = ["a", "b", "a", "c", "d"]
+    starts = np.array([0, 10, 20, 30, 40], dtype=np.int64)
+    offsets = np.arange(6, dtype=np.int64)
+
+    def content(step: Any) -> dict[str, Any]:
+        return {k: (int(v.token_start), v.rows.tobytes()) for k, v in step.items()}
+
+    expected = content(PackedAuxOutputs._trusted(list(ids), starts, offsets, rows.copy()))
+    assert expected["c"] == (30, rows[3].tobytes()) and expected["a"] == (20, rows[2].tobytes())
+    split = PackedAuxOutputs._trusted(list(ids), starts, offsets, rows.copy())
+    taken = scheduler_take()(Req("a", 20 + 1 + 1), split)  # the last "a": its one row
+    assert taken.tobytes() == rows[2:3].tobytes()
+    assert type(split) is _Unfilled and split._packed.rows is None  # split, not filled
+    assert content(split) == expected
+
+
 def test_other_readers_of_an_unfilled_step_see_upstreams_dict(
     reverted: pytest.MonkeyPatch, transport: Callable[[Any], Any]
 ) -> None:

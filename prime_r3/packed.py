@@ -30,7 +30,7 @@ What every consumer sees is upstream's dict (see ``README.md``, ``packed_outputs
   memory nobody else writes) until its first take, which splits it (``_split``):
   every request's rows copied into an array of its own and the packed rows dropped,
   so from then on the step holds its rows once, as upstream's dict does, and takes
-  hand out views of those arrays (as upstream slices its per-request
+  hand out those arrays (or views of them, as upstream slices its per-request
   arrays). Any other dict read fills it first (see ``_Unfilled``), reusing a split
   step's arrays.
 * Generic consumers (msgspec / vLLM's ``MsgpackEncoder``, ``dataclasses.asdict``,
@@ -241,8 +241,8 @@ class PackedAuxOutputs(dict[str, "AuxRequestOutput"]):
         Each request's rows are an array that owns its memory, so a kept row chunk
         pins that request's rows only (as with upstream's per-request arrays): copied
         out of the step's buffer (dropped here), or, on a step ``_Unfilled._split``
-        already split, that split's arrays, not copied again. Those are the bases of
-        the views ``batched_take`` handed out, as upstream's results
+        already split, that split's arrays, not copied again. Those are the arrays
+        (or the bases of the views) ``batched_take`` handed out, as upstream's results
         are views of its dict's arrays, and the step never holds a row twice.
         ``AuxRequestOutput`` is a plain dataclass (an anchor of the patch): setting its
         two fields directly is what its ``__init__`` does; the objects are made and
@@ -426,7 +426,7 @@ class _Unfilled(PackedAuxOutputs):
         rows *and* handing out copies held the step's rows twice from the first take
         until the ``ModelRunnerOutput`` died; split, the step holds them once (plus the
         small ids, starts and offsets, for ``len``, iteration and ``_fill``), and each
-        result is a view of its request's array: it pins that request's rows only,
+        result is its request's array or a view of it: it pins that request's rows only,
         never the step, as upstream's does. The copies are made by C-level ``map``s
         (``_split_rows``; on a decode step, one row each, numpy's iteration makes the
         views), cheaper than a slice plus ``.copy()`` per take. The arrays of requests

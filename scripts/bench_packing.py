@@ -342,6 +342,9 @@ def _wrapt_batched_take() -> Any:
                 return wrapped(request, output)
             start, count, rows = place
             local_end = request.num_tokens - 1 - start
+            if local_end == count:
+                counters.fast_requests += 1
+                return rows
             if local_end < 0:
                 counters.fallback("before_start")
                 return wrapped(request, output)

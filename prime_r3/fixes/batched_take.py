@@ -13,12 +13,10 @@ When ``output`` is a received, still unfilled ``PackedAuxOutputs``
 (``prime_r3.packed`` leaves it unfilled in a process where this patch is in force) that
 holds the request and its accepted range is valid (``0 <= local_end <= its row
 count``, upstream's own arithmetic on the same ``request.request_id`` and
-``request.num_tokens``), the result is what upstream's is: a fresh view of the
-request's own rows array, its first ``local_end`` rows (upstream's
-``rows[:local_end]``, also when that is all of them: handing out the array itself
-made the result own its data where upstream's does not, and let a caller that set a
-result's shape or flags change a second take and a later fill). The call is one
-dict get, integer arithmetic and one slice. The step's first take splits it
+``request.num_tokens``), the result is what upstream's is: the request's own rows
+array (all its rows: a decode step's one row, a whole prefill chunk), or a view of its
+first ``local_end`` rows (upstream's ``rows[:local_end]``). The call is one dict get,
+integer arithmetic and a return (or one slice). The step's first take splits it
 (``packed._Unfilled._split``): every request's rows copied into an array of its own by
 C-level ``map``s, the index (request id -> token start, row count, rows) built by
 C-level ``zip``s, and the step's packed rows dropped. The step is not filled.
@@ -36,8 +34,8 @@ the request's rows. On a packed step that first fallback fills it (upstream read
 as the dict it is); later requests of that step then go to upstream too.
 
 Memory: as upstream's. Upstream returns a view of the request's own array, which
-keeps that whole array alive; ours returns a view of the request's own array, so a
-kept result pins that request's rows only, never the step. The step holds its rows
+keeps that whole array alive; ours returns the request's own array or a view of it, so
+a kept result pins that request's rows only, never the step. The step holds its rows
 once at every point: packed in one array until the first take, then one array per
 request (what upstream's dict holds) with the packed rows dropped, until it dies with
 the ``ModelRunnerOutput``, as upstream's dict does; a later fill reuses those arrays.
@@ -121,6 +119,9 @@ def _batched_take(params: Mapping[str, Any]) -> PlainFactory:
                 return upstream(self, request, output)
             start, count, rows = place
             local_end = request.num_tokens - 1 - start
+            if local_end == count:  # all its rows (a decode request's one): its own array
+                counters.fast_requests += 1
+                return rows
             if local_end < 0:
                 counters.fallback("before_start")
                 return upstream(self, request, output)
@@ -128,10 +129,7 @@ def _batched_take(params: Mapping[str, Any]) -> PlainFactory:
                 counters.fallback("beyond_rows")
                 return upstream(self, request, output)
             counters.fast_requests += 1
-            # Upstream's slice of the request's array: a fresh view even of all its rows,
-            # never the array itself, so a caller that changes the result's shape, dtype
-            # or flags changes no other take of the request and no later fill.
-            return rows[:local_end]
+            return rows[:local_end]  # upstream's slice of the request's array
 
         return take_output
 

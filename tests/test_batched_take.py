@@ -389,6 +389,44 @@ def test_a_fill_after_a_split_pairs_each_id_with_its_rows_when_ids_repeat(
     assert content(split) == expected
 
 
+def test_a_split_that_raises_leaves_the_step_whole(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """A failure inside the first take's split (here a ``MemoryError`` from the copies)
+    propagates and leaves the step as received: unfilled, its packed rows kept, no
+    index; the next take splits it again and every take and a later fill give
+    upstream's content (the split assigns the index and drops the rows only after every
+    copy is made)."""
+    from prime_r3 import packed
+
+    _apply("packed_outputs", "batched_take")
+    outputs, requests = make_step(np.random.default_rng(41), 60)
+    theirs = pickle.loads(pickle.dumps(outputs, protocol=5))
+    ours = pickle.loads(pickle.dumps(PackedAuxOutputs.pack(outputs), protocol=5))
+    assert type(ours) is _Unfilled
+    rows_before = ours._packed.rows
+    split_rows = packed._split_rows
+    calls = []
+
+    def failing(*args: Any) -> Any:
+        calls.append(1)
+        raise MemoryError("split")
+
+    reverted.setattr(packed, "_split_rows", failing)
+    take, reference = scheduler_take(), upstream_take()
+    valid = next(r for r in requests if result(reference, r, theirs)[0] == "rows")
+    with pytest.raises(MemoryError, match="split"):
+        take(valid, ours)
+    assert calls == [1]
+    assert type(ours) is _Unfilled and ours._index is None and ours._packed.rows is rows_before
+    reverted.setattr(packed, "_split_rows", split_rows)
+    for request in requests:
+        assert result(take, request, ours) == result(reference, request, theirs)
+    assert {k: (int(v.token_start), v.rows.tobytes()) for k, v in ours.items()} == {
+        k: (int(v.token_start), v.rows.tobytes()) for k, v in theirs.items()
+    }
+
+
 def test_other_readers_of_an_unfilled_step_see_upstreams_dict(
     reverted: pytest.MonkeyPatch, transport: Callable[[Any], Any]
 ) -> None:

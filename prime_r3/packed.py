@@ -254,8 +254,11 @@ class PackedAuxOutputs(dict[str, "AuxRequestOutput"]):
         n = len(ids)
         if len(starts) != n or len(offsets) != n + 1:
             raise ValueError(f"packed step: {n} ids, {len(starts)} starts, {len(offsets)} offsets")
-        if rows is None:  # split: the index holds every request's array, in id order
-            arrays: Any = map(_third, self._index.values())  # type: ignore[union-attr]
+        if rows is None:  # split: the index holds every request's array
+            # Looked up by id, not read in the index's order: a step whose ids repeat
+            # (not from this writer) has fewer index entries than ids, and the values
+            # must still pair with their ids as in an unsplit fill (the last one wins).
+            arrays: Any = map(_third, map(self._index.__getitem__, ids))  # type: ignore[union-attr]
         else:
             arrays = _split_rows(rows, offsets)
         values = list(map(_new, repeat(AuxRequestOutput, n)))

@@ -277,6 +277,156 @@ def test_real_requests_from_the_real_scheduler(
     assert {r[0] for r in results} == {"rows", "none", "raise"}
 
 
+_FLAGS = ("OWNDATA", "C_CONTIGUOUS", "F_CONTIGUOUS", "ALIGNED")
+
+
+def _look(rows: np.ndarray, writable_source: bool) -> tuple[Any, ...]:
+    """What a caller can see of a result besides its bytes: shape, flags, base or not.
+
+    Writeability only where the worker's rows were writable: upstream's received array
+    keeps a read-only source's flag, a received packed step's rows are all writable
+    (packed_outputs' private copies, since before this change; not compared here)."""
+    writeable = rows.flags.writeable if writable_source else None
+    return (
+        rows.dtype.str,
+        rows.shape,
+        *(rows.flags[f] for f in _FLAGS),
+        writeable,
+        rows.base is None,
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="batched_take hands a take of all a request's rows the split's array itself "
+    "(OWNDATA, base None; attribute changes reach a second take and a later fill). The "
+    "fix (always rows[:local_end]) passes this test but cost take_output 1.305x and "
+    "update_from_output 1.071x at N=400 (bench_sched --take-before 0d3d83c, 5 rounds; "
+    "schedule control 0.997): left to the lead",
+)
+def test_each_take_is_a_fresh_view_with_upstreams_flags_and_no_shared_attributes(
+    reverted: pytest.MonkeyPatch, transport: Callable[[Any], Any]
+) -> None:
+    """Upstream's ``take_output`` returns ``rows[:local_end]``: a fresh view of the
+    request's array on every call, also when ``local_end`` is all its rows. At 0d3d83c
+    such a take was handed the split's array itself: its flags said it owned its data
+    (upstream's view does not, and its ``base`` is the dict's array), and a caller that
+    set the result's writeable flag or shape thereby set them on a second take of the
+    same request and on the step's content after a fill, where upstream's dict and
+    later takes are untouched (fails at 0d3d83c: OWNDATA True vs False; see the mark)."""
+    _apply("packed_outputs", "batched_take")
+    outputs, requests = make_step(np.random.default_rng(31), 300)
+    valid = [
+        r
+        for r in requests
+        if r.request_id in outputs
+        and 0
+        <= r.num_tokens - 1 - int(outputs[r.request_id].token_start)
+        <= len(outputs[r.request_id].rows)
+    ]
+    assert any(
+        r.num_tokens - 1 - int(outputs[r.request_id].token_start)
+        == len(outputs[r.request_id].rows)
+        > 0
+        for r in valid
+    )
+    theirs = transport(outputs)
+    ours = transport(PackedAuxOutputs.pack(outputs))
+    take, reference = scheduler_take(), upstream_take()
+    for request in valid:
+        rows, expected = take(request, ours), reference(request, theirs)
+        writable = bool(outputs[request.request_id].rows.flags.writeable)
+        assert _look(rows, writable) == _look(expected, writable), request.request_id
+        assert rows.tobytes() == expected.tobytes()
+        # A caller changes what it was handed (not the bytes): a view's own attributes.
+        for handed in (rows, expected):
+            handed.flags.writeable = False
+            handed.shape = (handed.size,)
+    assert type(ours) is _Unfilled  # every take so far served by batched_take
+    for request in valid:  # a second take of each request, then the dict after a fill
+        rows, expected = take(request, ours), reference(request, theirs)
+        writable = bool(outputs[request.request_id].rows.flags.writeable)
+        assert _look(rows, writable) == _look(expected, writable), request.request_id
+
+    def content(step: Any) -> dict[str, Any]:
+        # The dict's own arrays: ours own their data, upstream's may view the transport
+        # buffer (the memory tests compare what they keep alive); the rest is compared.
+        return {
+            k: (look[:2], look[3:7], v.rows.tobytes())
+            for k, v in step.items()
+            for look in [_look(v.rows, bool(outputs[k].rows.flags.writeable))]
+        }
+
+    mine = content(ours)
+    assert type(ours) is PackedAuxOutputs  # filled from the split's arrays
+    assert mine == content(theirs)
+
+
+def test_a_fill_after_a_split_pairs_each_id_with_its_rows_when_ids_repeat(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """A received step's ids are a dict's keys, so this writer never repeats one; a
+    foreign writer's step may. Filled without a take, a repeated id keeps its last rows
+    (as a dict built from the pairs), and the split's index agrees. At 0d3d83c a fill
+    after a take read the split's arrays in the index's order, one entry per distinct
+    id, against the step's ids: every request after the repeat got the next one's rows
+    and the last none (``AttributeError`` on ``.rows``). Failed before the fix."""
+    _apply("packed_outputs", "batched_take")
+    rows = np.arange(5 * 46 * 8, dtype=np.uint8).reshape(5, 46, 8)
+    ids = ["a", "b", "a", "c", "d"]
+    starts = np.array([0, 10, 20, 30, 40], dtype=np.int64)
+    offsets = np.arange(6, dtype=np.int64)
+
+    def content(step: Any) -> dict[str, Any]:
+        return {k: (int(v.token_start), v.rows.tobytes()) for k, v in step.items()}
+
+    expected = content(PackedAuxOutputs._trusted(list(ids), starts, offsets, rows.copy()))
+    assert expected["c"] == (30, rows[3].tobytes()) and expected["a"] == (20, rows[2].tobytes())
+    split = PackedAuxOutputs._trusted(list(ids), starts, offsets, rows.copy())
+    taken = scheduler_take()(Req("a", 20 + 1 + 1), split)  # the last "a": its one row
+    assert taken.tobytes() == rows[2:3].tobytes()
+    assert type(split) is _Unfilled and split._packed.rows is None  # split, not filled
+    assert content(split) == expected
+
+
+def test_a_split_that_raises_leaves_the_step_whole(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """A failure inside the first take's split (here a ``MemoryError`` from the copies)
+    propagates and leaves the step as received: unfilled, its packed rows kept, no
+    index; the next take splits it again and every take and a later fill give
+    upstream's content (the split assigns the index and drops the rows only after every
+    copy is made)."""
+    from prime_r3 import packed
+
+    _apply("packed_outputs", "batched_take")
+    outputs, requests = make_step(np.random.default_rng(41), 60)
+    theirs = pickle.loads(pickle.dumps(outputs, protocol=5))
+    ours = pickle.loads(pickle.dumps(PackedAuxOutputs.pack(outputs), protocol=5))
+    assert type(ours) is _Unfilled
+    rows_before = ours._packed.rows
+    split_rows = packed._split_rows
+    calls = []
+
+    def failing(*args: Any) -> Any:
+        calls.append(1)
+        raise MemoryError("split")
+
+    reverted.setattr(packed, "_split_rows", failing)
+    take, reference = scheduler_take(), upstream_take()
+    valid = next(r for r in requests if result(reference, r, theirs)[0] == "rows")
+    with pytest.raises(MemoryError, match="split"):
+        take(valid, ours)
+    assert calls == [1]
+    assert type(ours) is _Unfilled and ours._index is None and ours._packed.rows is rows_before
+    reverted.setattr(packed, "_split_rows", split_rows)
+    for request in requests:
+        assert result(take, request, ours) == result(reference, request, theirs)
+    assert {k: (int(v.token_start), v.rows.tobytes()) for k, v in ours.items()} == {
+        k: (int(v.token_start), v.rows.tobytes()) for k, v in theirs.items()
+    }
+
+
 def test_other_readers_of_an_unfilled_step_see_upstreams_dict(
     reverted: pytest.MonkeyPatch, transport: Callable[[Any], Any]
 ) -> None:

@@ -437,3 +437,22 @@ def test_the_first_take_never_peaks_above_upstreams_received_dict(
         close()
     print(f"peak from receipt: upstream {upstream} B, ours {ours} B (rows {row_bytes} B)")
     assert ours <= upstream, (ours, upstream)
+
+
+def test_the_transport_closes_its_zmq_sockets_and_contexts() -> None:
+    """``Transport.close`` leaves no open zmq socket or live context to garbage collection.
+
+    pyzmq's ``Context.__del__`` blocks forever in ``term()`` when a context and its open
+    sockets are collected in the same cycle; vLLM 0.31.0's ``MessageQueue`` has no
+    finalizer for it (0.32 added ``_close_zmq_on_collect``), so a transport kept alive by
+    a traceback (an xfail test's) hung the next test's ``gc.collect()`` on 0.31.0. Fails
+    before ``close`` closed them: the sockets were open until collection, on every
+    release."""
+    from prime_r3.bench.vllm_setup import Transport, _zmq_sockets
+
+    transport = Transport()
+    sockets = [s for mq in (transport.writer, transport.reader) for s in _zmq_sockets(mq)]
+    assert sockets and not any(s.closed for s in sockets)
+    transport.close()
+    assert all(s.closed for s in sockets)
+    assert all(s.context.closed for s in sockets)

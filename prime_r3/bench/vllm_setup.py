@@ -173,6 +173,30 @@ def build_worker_connector(vllm_config: Any, kv_cache_config: Any) -> Any:
     return connector
 
 
+def _zmq_sockets(mq: Any) -> list[Any]:
+    """The zmq sockets a ``MessageQueue`` holds (its own and its spin condition's)."""
+    spin = getattr(mq, "_spin_condition", None)
+    held = [getattr(mq, "local_socket", None), getattr(mq, "remote_socket", None)]
+    held += [
+        getattr(spin, name, None)
+        for name in ("local_notify_socket", "read_cancel_socket", "write_cancel_socket")
+    ]
+    return [socket for socket in held if socket is not None]
+
+
+def _close_zmq(mq: Any) -> None:
+    """Close a ``MessageQueue``'s zmq sockets (linger 0) and terminate their contexts,
+    as vLLM 0.32's ``_close_zmq`` does when the queue is collected."""
+    sockets = _zmq_sockets(mq)
+    contexts = {id(socket.context): socket.context for socket in sockets}
+    for socket in sockets:
+        with contextlib.suppress(Exception):
+            socket.close(linger=0)
+    for context in contexts.values():
+        with contextlib.suppress(Exception):
+            context.term()
+
+
 class Transport:
     """vLLM's real ``MessageQueue`` (shared-memory ring), writer and reader in one process.
 
@@ -195,10 +219,21 @@ class Transport:
         return received
 
     def close(self) -> None:
-        """Shut both ends and release the shared-memory ring now, not at interpreter exit."""
+        """Shut both ends, close their zmq sockets and contexts, and release the
+        shared-memory ring now, not at interpreter exit.
+
+        The sockets and contexts are closed here, not left to garbage collection:
+        pyzmq's ``Context.__del__`` blocks forever in ``term()`` when a context and its
+        still-open sockets are collected in the same cycle (e.g. held by a kept
+        traceback), which hung a later ``gc.collect()`` on vLLM 0.31.0. vLLM 0.32
+        added a finalizer for it (``MessageQueue._close_zmq_on_collect``); 0.31 has
+        none. Closing twice is a no-op in pyzmq, so that finalizer finds them closed.
+        """
         for mq in (self.reader, self.writer):
             with contextlib.suppress(Exception):
                 mq.shutdown()
+        for mq in (self.reader, self.writer):
+            _close_zmq(mq)
         for mq in (self.reader, self.writer):
             ring = getattr(mq, "buffer", None)
             shm = getattr(ring, "shared_memory", None)

@@ -544,27 +544,33 @@ def test_packing_cache_keeps_no_reverted_wrapper_alive(reverted: pytest.MonkeyPa
     assert layer() is None
 
 
-def _slot_step(reference: bool, order: str) -> tuple[Any, ...]:
-    """One step in which several requests start a new buffer tail, in batch order
-    ``order``: "D" a decode (the fast path), "A" drafts with one rejected (upstream's
-    fallback), "B" a 6-token prompt (the multi-token fast path). Returns the outputs and
-    the buffer's slot bookkeeping: which slot each tail holds (with its rows), the free
-    list in pop order, the owned slots with their blocks' bytes."""
-    shape = harness.Shape(block=4, token_shape=(3, 2), dtype=np.uint16)
-    connector = harness.make_connector(shape, reference)
-    state = aux_worker._WorkerRequestState
-    connector._requests["D"] = state(capture_cursor=4, scheduled_cursor=4, emit_cursor=4)
-    connector._requests["A"] = state(capture_cursor=0, scheduled_cursor=0, emit_cursor=0)
-    connector._requests["B"] = state(emit_cursor=0)
-    size = {"D": 1, "A": 7, "B": 6}
-    start = {"D": 4, "A": 0, "B": 0}
+#: The "D"/"A"/"B" requests of ``_slot_step`` and ``_short_publication_step``: worker
+#: cursors (capture, scheduled, emit), rows in the step, token start.
+_DAB_SHAPE = harness.Shape(block=4, token_shape=(3, 2), dtype=np.uint16)
+_DAB_CURSORS = {"D": (4, 4, 4), "A": (0, 0, 0), "B": (None, 0, 0)}
+_DAB_SIZE = {"D": 1, "A": 7, "B": 6}
+_DAB_START = {"D": 4, "A": 0, "B": 0}
+
+
+def _dab_states(connector: Any, which: str) -> None:
+    """Worker states for the requests ``which``, at their ``_DAB_CURSORS``."""
+    for request_id in which:
+        capture, scheduled, emit = _DAB_CURSORS[request_id]
+        connector._requests[request_id] = aux_worker._WorkerRequestState(
+            capture_cursor=capture, scheduled_cursor=scheduled, emit_cursor=emit
+        )
+
+
+def _dab_pending(connector: Any, order: str) -> Any:
+    """The copied step over ``order`` (every request sampling, "A" rejecting one draft),
+    counted as in flight on each request's state, as ``prepare_output`` does."""
     ids = list(order)
-    qsl = np.concatenate(([0], np.cumsum([size[r] for r in ids]))).astype(np.int32)
+    qsl = np.concatenate(([0], np.cumsum([_DAB_SIZE[r] for r in ids]))).astype(np.int32)
     rows = np.arange(int(qsl[-1]) * 6, dtype=np.uint16).reshape(-1, 3, 2)
     pending = aux_worker.PendingAuxOutput(
         connector=connector,
         request_ids=ids,
-        token_starts=np.array([start[r] for r in ids], dtype=np.int32),
+        token_starts=np.array([_DAB_START[r] for r in ids], dtype=np.int32),
         query_start_loc=qsl,
         routed_experts_gpu=None,
         routed_experts=rows,
@@ -573,6 +579,18 @@ def _slot_step(reference: bool, order: str) -> tuple[Any, ...]:
     )
     for request_id in ids:
         connector._requests[request_id].pending_outputs += 1
+    return pending
+
+
+def _slot_step(reference: bool, order: str) -> tuple[Any, ...]:
+    """One step in which several requests start a new buffer tail, in batch order
+    ``order``: "D" a decode (the fast path), "A" drafts with one rejected (upstream's
+    fallback), "B" a 6-token prompt (the multi-token fast path). Returns the outputs and
+    the buffer's slot bookkeeping: which slot each tail holds (with its rows), the free
+    list in pop order, the owned slots with their blocks' bytes."""
+    connector = harness.make_connector(_DAB_SHAPE, reference)
+    _dab_states(connector, "DAB")
+    pending = _dab_pending(connector, order)
     connector._pending_outputs.append(pending)
     outputs = harness.output_state(connector.process_output(pending))
     buffer = connector._buffer
@@ -880,32 +898,10 @@ def _short_publication_step(reference: bool, order: str) -> tuple[Any, Any]:
     slot per request: the captures find a slot each, the publication's
     ``retain_block`` of the unkeyed blocks finds the pool exhausted. Returns (the error,
     the worker state after process_output)."""
-    shape = harness.Shape(block=4, token_shape=(3, 2), dtype=np.uint16)
-    connector = harness.make_connector(shape, reference)
-    state = aux_worker._WorkerRequestState
-    cursors = {"D": (4, 4, 4), "A": (0, 0, 0), "B": (None, 0, 0)}
-    size = {"D": 1, "A": 7, "B": 6}
-    start = {"D": 4, "A": 0, "B": 0}
-    for request_id in order:
-        capture, scheduled, emit = cursors[request_id]
-        connector._requests[request_id] = state(
-            capture_cursor=capture, scheduled_cursor=scheduled, emit_cursor=emit
-        )
-        connector._requests[request_id].pending_outputs += 1
+    connector = harness.make_connector(_DAB_SHAPE, reference)
+    _dab_states(connector, order)
     del connector._buffer._free_slots[: -len(order)]
-    ids = list(order)
-    qsl = np.concatenate(([0], np.cumsum([size[r] for r in ids]))).astype(np.int32)
-    rows = np.arange(int(qsl[-1]) * 6, dtype=np.uint16).reshape(-1, 3, 2)
-    pending = aux_worker.PendingAuxOutput(
-        connector=connector,
-        request_ids=ids,
-        token_starts=np.array([start[r] for r in ids], dtype=np.int32),
-        query_start_loc=qsl,
-        routed_experts_gpu=None,
-        routed_experts=rows,
-        num_sampled=np.ones(len(ids), dtype=np.int32),
-        num_rejected=np.array([int(r == "A") for r in ids], dtype=np.int32),
-    )
+    pending = _dab_pending(connector, order)
     return _process_and_close(connector, pending)
 
 

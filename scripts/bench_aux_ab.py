@@ -27,6 +27,7 @@ and each round's ``aux``. A part neither version changes is the noise control.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -64,15 +65,25 @@ def _arm(
     summary = report.summarize(result, cfg)
     out = {name: summary[name] for name in columns}
     out["package"] = str(Path(prime_r3.__file__).resolve().parent)
+    import vllm
+
+    out["vllm"] = str(Path(vllm.__file__).parent.absolute())
+    out["applied"] = prime_r3.status().applied
     return out
 
 
-def _child(script: str, argv: list[str], path: str, arm: str) -> dict[str, Any]:
+def _child(
+    script: str, argv: list[str], path: str, arm: str, vllm_tree: str | None = None
+) -> dict[str, Any]:
     """Run ``script argv`` in a fresh interpreter with ``path`` first on ``PYTHONPATH``
     (and as its working directory); its last stdout line is a JSON row whose
-    ``package`` must be ``path``'s prime_r3 (else the arm measured another version)."""
+    ``package`` must be ``path``'s prime_r3 (else the arm measured another version).
+    With ``vllm_tree`` (a directory holding a ``vllm/`` package, e.g. one built by
+    ``scripts/patches.py apply --out``) that tree goes first, and the row's ``vllm``
+    must be its package; without it, the row's ``vllm`` must be the installed one."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([path, *filter(None, [env.get("PYTHONPATH")])])
+    front = [vllm_tree, path] if vllm_tree else [path]
+    env["PYTHONPATH"] = os.pathsep.join([*front, *filter(None, [env.get("PYTHONPATH")])])
     out = subprocess.run(
         [sys.executable, script, *argv],
         check=True,
@@ -85,7 +96,19 @@ def _child(script: str, argv: list[str], path: str, arm: str) -> dict[str, Any]:
     expected = Path(path).resolve() / "prime_r3"
     if Path(row["package"]) != expected:
         raise RuntimeError(f"{arm} arm imported {row['package']}, not {expected}")
+    vllm = Path(row["vllm"])
+    if vllm_tree is not None and vllm != Path(vllm_tree).absolute() / "vllm":
+        raise RuntimeError(f"{arm} arm imported vllm from {vllm}, not the tree {vllm_tree}")
+    if vllm_tree is None and vllm.parent != Path(_installed_vllm()).parent:
+        raise RuntimeError(f"{arm} arm imported vllm from {vllm}, not the installed one")
     return row
+
+
+def _installed_vllm() -> str:
+    """Where this interpreter's own ``vllm`` package is (without importing it)."""
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.origin is not None, "vllm is not installed"
+    return str(Path(spec.origin).parent.absolute())
 
 
 def _export(ref: str, into: str) -> None:

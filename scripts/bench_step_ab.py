@@ -1,7 +1,8 @@
-"""R3's whole engine-step cost with two prime_r3 versions, against R3 off, in one run.
+"""R3's whole engine-step cost with two prime_r3 versions, or with the upstream-form diffs,
+against R3 off, in one run.
 
-    .venv/bin/python scripts/bench_step_ab.py --before REF [-n 400,1000] [--rounds 5]
-                                              [--steps 250] [--warmup 150]
+    .venv/bin/python scripts/bench_step_ab.py [--before REF] [--tree] [-n 400,1000]
+                                              [--rounds 5] [--steps 250] [--warmup 150]
 
 Issue 10's first target is the engine CPU per step with R3 on and prime_r3 against R3
 off (``prime-r3 bench``'s ``x off``). ``prime-r3 bench`` measures one version; a change
@@ -13,15 +14,23 @@ Arms, each a fresh interpreter running the bench's real engine loop
 by the bench's own ``report.summarize``:
 
 * ``off``: R3 off (``PRIME_R3=0``, the bench's ``r3_off``), this checkout;
-* ``before``: R3 on with every patch the release takes, the prime_r3 package of git
-  revision ``--before`` (``git archive`` into a temporary directory first on
-  ``PYTHONPATH``, as ``bench_aux_ab.py`` does; the child reports which one it imported);
-* ``after``: the same with this checkout's working tree.
+* ``before`` (with ``--before REF``): R3 on with every patch the release takes, the
+  prime_r3 package of git revision REF (``git archive`` into a temporary directory first
+  on ``PYTHONPATH``, as ``bench_aux_ab.py`` does; the child reports which one it
+  imported);
+* ``after``: the same with this checkout's working tree;
+* ``tree`` (with ``--tree``): this checkout's overlay on a vLLM patched with this
+  checkout's upstream-form diffs (``patches/``, built once per run by
+  ``scripts/patches.py``'s ``apply`` into a temporary directory put first on
+  ``PYTHONPATH``). The overlay still applies every patch whose targets the diffs left
+  unchanged; one whose upstream the diffs rewrote is skipped by its own guards. Each
+  arm's applied patches are printed, so it is plain which code ran.
 
-Round k runs the three arms rotated by k, so no arm always runs first or last.
-Printed per N: medians over rounds of ``engine_cpu_ms`` (the bench's ``cpu ms``) and its
-``sched`` / ``aux`` / ``transp`` / ``writer`` parts per arm, then per round and as their
-median: before/off, after/off and after/before (each round's arms ran back to back).
+Round k runs the arms rotated by k, so no arm always runs first or last. Printed per
+N: medians over rounds of ``engine_cpu_ms`` (the bench's ``cpu ms``) and its ``sched`` /
+``aux`` (and its ``begin`` / ``prepare`` / ``process`` parts) / ``transp`` / ``writer``
+per arm, then per round and as their median: each R3 arm over off, after/before and
+tree/after (each round's arms ran back to back).
 """
 
 from __future__ import annotations
@@ -37,13 +46,26 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_aux_ab import ROOT, _arm, _child, _export  # noqa: E402 - shared with it
 
-COLUMNS = ("engine_cpu_ms", "sched_ms", "aux_ms", "transport_ms", "writer_ms")
-ARMS = ("off", "before", "after")
+import patches as upstream_diffs  # noqa: E402 - scripts/patches.py
+
+COLUMNS = (
+    "engine_cpu_ms",
+    "sched_ms",
+    "aux_ms",
+    "aux_begin_ms",
+    "aux_prepare_ms",
+    "aux_process_ms",
+    "transport_ms",
+    "writer_ms",
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before", required=True, help="git revision of the 'before' arm")
+    parser.add_argument("--before", help="git revision of the 'before' arm")
+    parser.add_argument(
+        "--tree", action="store_true", help="add the 'tree' arm (vLLM patched with patches/)"
+    )
     parser.add_argument("-n", default="400", help="comma list of concurrencies")
     parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--warmup", type=int, default=150)
@@ -54,42 +76,63 @@ def main() -> None:
         row = _arm(int(args.n), args.steps, args.warmup, COLUMNS, r3=args.arm == "on")
         print(json.dumps(row))
         return
-    with tempfile.TemporaryDirectory(prefix="prime_r3_before_") as before_dir:
-        _export(args.before, before_dir)
-        paths = {"off": str(ROOT), "before": before_dir, "after": str(ROOT)}
+    if not args.before and not args.tree:
+        parser.error("give --before REF, --tree, or both (the arms to compare with 'after')")
+    arms = ("off", *(("before",) if args.before else ()), "after", *(("tree",) * args.tree))
+    with tempfile.TemporaryDirectory(prefix="prime_r3_step_ab_") as tmp:
+        paths = {"off": str(ROOT), "after": str(ROOT), "tree": str(ROOT)}
+        trees: dict[str, str | None] = dict.fromkeys(arms)
+        if args.before:
+            paths["before"] = str(Path(tmp) / "before")
+            _export(args.before, paths["before"])
+        if args.tree:
+            site, release = upstream_diffs.installed_site(), upstream_diffs.installed_release()
+            diffs = [d.path.name for d in upstream_diffs.series(release)]
+            trees["tree"] = str(upstream_diffs.apply(site, release, Path(tmp) / "tree"))
+            print(f"tree: vLLM {release} + {', '.join(diffs)}", flush=True)
         for n in [int(x) for x in args.n.split(",")]:
-            results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
+            results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
             for round_ in range(args.rounds):
-                k = round_ % len(ARMS)
-                for arm in ARMS[k:] + ARMS[:k]:
+                k = round_ % len(arms)
+                for arm in arms[k:] + arms[:k]:
                     argv = ["--arm", "off" if arm == "off" else "on", "-n", str(n)]
-                    argv += ["--before", "-", "--steps", str(args.steps)]
-                    argv += ["--warmup", str(args.warmup)]
-                    row = _child(__file__, argv, paths[arm], arm)
+                    argv += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+                    row = _child(__file__, argv, paths[arm], arm, trees[arm])
                     results[arm].append(row)
                     print(
                         f"  N={n} round {round_ + 1} {arm}: {row['engine_cpu_ms']:.3f} ms",
                         flush=True,
                     )
-            _print(n, args, results)
+            _print(n, args, arms, results)
 
 
-def _print(n: int, args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -> None:
+def _print(
+    n: int, args: argparse.Namespace, arms: tuple[str, ...], results: dict[str, list[dict]]
+) -> None:
     print(
         f"N={n}: medians of {args.rounds} rounds (rotating order), {args.steps} steps after "
-        f"{args.warmup}, ms per step; before = {args.before}, after = this checkout"
+        f"{args.warmup}, ms per step; after = this checkout"
+        + (f", before = {args.before}" if args.before else "")
+        + (", tree = after on vLLM + patches/" if args.tree else "")
     )
     print(f"{'arm':>8} " + " ".join(f"{c[:-3]:>12}" for c in COLUMNS))
-    for arm in ARMS:
+    for arm in arms:
         row = " ".join(f"{statistics.median(r[c] for r in results[arm]):>12.3f}" for c in COLUMNS)
         print(f"{arm:>8} {row}")
-    for top, bottom in (("before", "off"), ("after", "off"), ("after", "before")):
+    pairs = [(arm, "off") for arm in arms if arm != "off"]
+    pairs += [(top, bottom) for top, bottom in (("after", "before"), ("tree", "after"))]
+    for top, bottom in pairs:
+        if top not in results or bottom not in results:
+            continue
         ratios = [
             a["engine_cpu_ms"] / b["engine_cpu_ms"]
             for a, b in zip(results[top], results[bottom], strict=True)
         ]
         rounds = " ".join(f"{x:.3f}" for x in ratios)
         print(f"  {top}/{bottom} per round: {rounds}   median {statistics.median(ratios):.3f}")
+    for arm in arms:
+        applied = {tuple(r["applied"]) for r in results[arm]}
+        print(f"  {arm} applied: " + " | ".join(", ".join(a) or "(none)" for a in applied))
 
 
 if __name__ == "__main__":

@@ -161,6 +161,19 @@ def test_rows_and_errors_are_upstreams_after_the_real_message_queue(
     assert type(ours) is PackedAuxOutputs  # make_step's missing ids filled it at the latest
 
 
+def _valid_takes(outputs: dict[str, Any], requests: list[Any]) -> list[Any]:
+    """The requests of ``make_step`` whose accepted range is valid for their output
+    (``0 <= local_end <= rows``, upstream's arithmetic): the ones the fast path serves."""
+    return [
+        r
+        for r in requests
+        if r.request_id in outputs
+        and 0
+        <= r.num_tokens - 1 - int(outputs[r.request_id].token_start)
+        <= len(outputs[r.request_id].rows)
+    ]
+
+
 def test_a_step_of_valid_takes_is_never_filled_and_each_result_pins_its_request_only(
     reverted: pytest.MonkeyPatch, transport: Callable[[Any], Any]
 ) -> None:
@@ -170,14 +183,7 @@ def test_a_step_of_valid_takes_is_never_filled_and_each_result_pins_its_request_
     _apply("packed_outputs", "batched_take")
     batched_take.COUNTERS.reset()
     outputs, requests = make_step(np.random.default_rng(4), 400)
-    valid = [
-        r
-        for r in requests
-        if r.request_id in outputs
-        and 0
-        <= r.num_tokens - 1 - int(outputs[r.request_id].token_start)
-        <= len(outputs[r.request_id].rows)
-    ]
+    valid = _valid_takes(outputs, requests)
     theirs = transport(outputs)
     ours = transport(PackedAuxOutputs.pack(outputs))
     take, reference = scheduler_take(), upstream_take()
@@ -316,14 +322,7 @@ def test_each_take_is_a_fresh_view_with_upstreams_flags_and_no_shared_attributes
     later takes are untouched (fails at 0d3d83c: OWNDATA True vs False; see the mark)."""
     _apply("packed_outputs", "batched_take")
     outputs, requests = make_step(np.random.default_rng(31), 300)
-    valid = [
-        r
-        for r in requests
-        if r.request_id in outputs
-        and 0
-        <= r.num_tokens - 1 - int(outputs[r.request_id].token_start)
-        <= len(outputs[r.request_id].rows)
-    ]
+    valid = _valid_takes(outputs, requests)
     assert any(
         r.num_tokens - 1 - int(outputs[r.request_id].token_start)
         == len(outputs[r.request_id].rows)

@@ -68,7 +68,13 @@ def _arm(
     import vllm
 
     out["vllm"] = str(Path(vllm.__file__).parent.absolute())
-    out["applied"] = prime_r3.status().applied
+    # Applied patches; one still waiting for a module the bench never imports (engine_gc's
+    # server and GPU worker halves) is listed with its state, as it ran in part.
+    out["applied"] = [
+        o.name if o.state in ("applied", "already_applied") else f"{o.name} ({o.state})"
+        for o in prime_r3.status().outcomes
+        if o.state in ("applied", "already_applied", "pending_import")
+    ]
     return out
 
 

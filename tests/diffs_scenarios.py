@@ -612,7 +612,15 @@ def _meta_run(seed: int) -> list[Any]:
     live: dict[str, Any] = {}
     trace: list[Any] = []
     made = 0
+    # Async scheduling: a sampled token may arrive after the next step was scheduled
+    # (id -> the step it arrives at); the request can be scheduled meanwhile, and its
+    # new block hash, keyed by then, goes as a hash-only update if it is not.
+    late: dict[str, int] = {}
     for step in range(META_STEPS):
+        for request_id, due in list(late.items()):
+            if due == step:
+                del late[request_id]
+                live[request_id].append_output_token_ids(int(rng.integers(0, 1000)))
         target = int(rng.integers(18, 40))
         while len(live) < target:
             made += 1
@@ -624,6 +632,7 @@ def _meta_run(seed: int) -> list[Any]:
             live[request_id] = Request(request_id, tokens, params, None, block_hasher=hasher)
         if rng.random() < 0.15:
             done = list(live)[int(rng.integers(0, len(live)))]
+            late.pop(done, None)
             connector.request_finished(live.pop(done))
         if rng.random() < 0.04:
             connector.reset()
@@ -648,8 +657,13 @@ def _meta_run(seed: int) -> list[Any]:
         for request_id, num_tokens in scheduled.items():
             request = live[request_id]
             request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens >= request.num_tokens:
+            if late.pop(request_id, None) is not None:  # that token arrives first
                 request.append_output_token_ids(int(rng.integers(0, 1000)))
+            if request.num_computed_tokens >= request.num_tokens:
+                if rng.random() < 0.3:
+                    late[request_id] = step + 2
+                else:
+                    request.append_output_token_ids(int(rng.integers(0, 1000)))
     return trace
 
 

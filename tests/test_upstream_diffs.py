@@ -220,6 +220,9 @@ def test_check_cli_on_the_installed_tree() -> None:
     assert f"vLLM {RELEASE} at {SITE}: pristine" in result.stdout
     for diff in patches.series(RELEASE):
         assert diff.path.name in result.stdout
+    for name, carrier in CARRIED.items():
+        diff = next(d for d in patches.series(RELEASE) if d.name == carrier)
+        assert f"{name:28} in {diff.path.name} (part of the {carrier} diff)" in result.stdout
 
 
 # -- parity: the patched tree (overlay off) against the overlay --------------------------------

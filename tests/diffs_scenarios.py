@@ -491,6 +491,12 @@ def scenario_packed_take_memory(ctx: Context) -> dict[str, Any]:
                 if k in (0, len(requests) // 2, len(requests) - 1):
                     held.append(held_bytes(ours))
             packed_rows = ours._packed.rows if ctx.overlay else ours.rows
+            # A taken (split) step pickled again carries the same rows.
+            again = pickle.loads(pickle.dumps(ours, protocol=5))
+            repickled = [
+                take(request, again).tobytes() == rows.tobytes()
+                for request, rows in zip(requests, kept, strict=True)
+            ]
             runs[(hop, kind)] = {
                 "results": results,
                 "held": held,
@@ -501,6 +507,7 @@ def scenario_packed_take_memory(ctx: Context) -> dict[str, Any]:
                 "upstream_with_results": held_bytes([theirs, kept_upstream]),
                 "row_bytes": row_bytes,
                 "packed_rows_dropped": packed_rows is None,
+                "repickled_same_rows": all(repickled),
             }
     return runs
 

@@ -386,6 +386,7 @@ def test_a_taken_step_holds_its_rows_once_as_on_the_overlay(results: dict[str, A
         assert all(held <= ours["upstream_held"] + allowance for held in ours["held"]), key
         assert ours["with_results"] <= ours["upstream_with_results"] + allowance, key
         assert ours["packed_rows_dropped"] and theirs["packed_rows_dropped"], key
+        assert ours["repickled_same_rows"] and theirs["repickled_same_rows"], key
 
 
 def test_ray_detach_matches(results: dict[str, Any]) -> None:

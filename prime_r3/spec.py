@@ -150,6 +150,10 @@ class PatchSpec:
     #: one for every release it applies to (``scripts/patches.py`` and
     #: ``tests/test_upstream_diffs.py`` hold every other registry patch to that).
     diff_pending: str = ""
+    #: The registry patch whose upstream-form diff also carries this fix (its upstream
+    #: form is a change to that patch's code, so it has no diff of its own); empty
+    #: when it has its own. ``scripts/patches.py`` checks that patch has a diff.
+    diff_in: str = ""
 
     def anchors_for(self, version: str | None) -> tuple[Anchor, ...]:
         """The anchors the installed release has (see ``Anchor.releases``)."""

@@ -96,7 +96,7 @@ def registry_names(release: str) -> list[str]:
     return [
         spec.name
         for spec in REGISTRY
-        if check_version(spec, release) is None and not spec.diff_pending
+        if check_version(spec, release) is None and not spec.diff_pending and not spec.diff_in
     ]
 
 
@@ -116,6 +116,22 @@ def registry_pending(release: str) -> dict[str, str]:
     }
 
 
+def registry_carried(release: str) -> dict[str, str]:
+    """Registry patches that apply to ``release`` and whose upstream form is part of
+    another patch's diff (the record's ``diff_in``): name -> that patch's name."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from prime_r3.guards import check_version
+        from prime_r3.patches import REGISTRY
+    finally:
+        sys.path.remove(str(ROOT))
+    return {
+        spec.name: spec.diff_in
+        for spec in REGISTRY
+        if check_version(spec, release) is None and spec.diff_in
+    }
+
+
 def registry_mismatch(release: str, diffs: Sequence[Diff]) -> list[str]:
     """Problems linking diffs and registry: one diff per applicable patch, in registry order."""
     expected = registry_names(release)
@@ -125,10 +141,19 @@ def registry_mismatch(release: str, diffs: Sequence[Diff]) -> list[str]:
         for n in expected
         if n not in names
     ]
+    carried = registry_carried(release)
+    problems += [
+        f"registry patch {n!r} is carried by the {carrier} diff, which {release} lacks"
+        for n, carrier in carried.items()
+        if carrier not in names or carrier not in expected
+    ]
     pending = registry_pending(release)
     problems += [
         f"diff {d.path.name} exists but the registry says it has none yet: {pending[d.name]}"
         if d.name in pending
+        else f"diff {d.path.name} exists but the registry says the {carried[d.name]} diff "
+        "carries it"
+        if d.name in carried
         else f"diff {d.path.name} has no registry patch that applies to {release}"
         for d in diffs
         if d.name not in expected
@@ -320,6 +345,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for diff in diffs:
                 size = diff.path.stat().st_size
                 print(f"{diff.path.name:28} {size:6d} B  {', '.join(diff.files)}")
+            files = {d.name: d.path.name for d in diffs}
+            for name, carrier in registry_carried(release).items():
+                print(f"{name:28} in {files[carrier]} (part of the {carrier} diff)")
             for name, why in registry_pending(release).items():
                 print(f"{name:28} no diff yet (overlay only): {why}")
             print(f"vLLM {release} at {site}: {found.state}")

@@ -424,6 +424,352 @@ def scenario_ray_detach(ctx: Context) -> dict[str, Any]:
     return {"report": _take_report(output.aux_output_connector_output, requests)}
 
 
+CONNECTOR_FILE = "vllm/distributed/aux_output_connector/connector.py"
+TAKE_MEMORY_N = 400
+
+
+def _release_take_output(site: Path) -> Callable[..., Any]:
+    """The release's own ``take_output`` (the installed connector.py, loaded under a
+    private name): upstream's reader of upstream's dict, on the overlay and on the
+    patched tree alike. It reads nothing from ``self``."""
+    name = "diffs_release_connector"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, site / CONNECTOR_FILE)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+    cls = module.AuxOutputSchedulerConnector
+    return vars(cls)["take_output"].__get__(object.__new__(cls))
+
+
+def scenario_packed_take_memory(ctx: Context) -> dict[str, Any]:
+    """A received step taken request by request (vLLM's real MessageQueue, and a Ray-like
+    protocol-5 hop): the rows against the release's take_output on upstream's dict,
+    what each result pins, and what the step holds after the first, middle and last
+    take (tests/test_packed_memory.py's measure: every distinct buffer it reaches)."""
+    from tests.test_packed_memory import (
+        SHAPE,
+        _mq_hop,
+        _nbytes,
+        _ray_like,
+        _root,
+        held_bytes,
+        taken_step,
+    )
+
+    upstream_take = _release_take_output(ctx.site)
+    take = packed_helpers().TAKE
+    runs = {}
+    for hop in ("mq", "ray"):
+        for kind in ("decode", "mixed"):
+            outputs, requests, row_bytes = taken_step(kind, TAKE_MEMORY_N)
+            send, close = _mq_hop() if hop == "mq" else (_ray_like, lambda: None)
+            try:
+                theirs = send(outputs)
+                ours = send(_pack(ctx, outputs, np.uint8, SHAPE))
+            finally:
+                close()
+            assert type(theirs) is dict
+            results, held, kept, kept_upstream = [], [], [], []
+            for k, request in enumerate(requests):
+                rows, expected = take(request, ours), upstream_take(request, theirs)
+                kept.append(rows)
+                kept_upstream.append(expected)
+                results.append(
+                    (
+                        rows.tobytes() == expected.tobytes(),
+                        rows.shape == expected.shape,
+                        rows.dtype == expected.dtype,
+                        "array" if rows.base is None else "view",
+                        _nbytes(_root(rows)),
+                        _nbytes(_root(expected)),
+                        bool(rows.flags.writeable),
+                    )
+                )
+                if k in (0, len(requests) // 2, len(requests) - 1):
+                    held.append(held_bytes(ours))
+            packed_rows = ours._packed.rows if ctx.overlay else ours.rows
+            # A taken (split) step pickled again carries the same rows.
+            again = pickle.loads(pickle.dumps(ours, protocol=5))
+            repickled = [
+                take(request, again).tobytes() == rows.tobytes()
+                for request, rows in zip(requests, kept, strict=True)
+            ]
+            runs[(hop, kind)] = {
+                "results": results,
+                "held": held,
+                "upstream_held": held_bytes(theirs),
+                # The step and every result kept (as the scheduler keeps them): the
+                # rows once, shared by the step and the results, as upstream's.
+                "with_results": held_bytes([ours, kept]),
+                "upstream_with_results": held_bytes([theirs, kept_upstream]),
+                "row_bytes": row_bytes,
+                "packed_rows_dropped": packed_rows is None,
+                "repickled_same_rows": all(repickled),
+            }
+    return runs
+
+
+# -- batched_meta: build_connector_meta on the real connector ----------------------------
+
+META_SEEDS = range(6)
+META_STEPS = 70
+#: Steps at which each error case runs on a copy of the connector (the run goes on).
+META_ERROR_STEPS = (5, 33, 61)
+META_ERRORS = ("missing request", "no sampling params", "hash history shrank", "prompt start None")
+
+
+def _meta_snapshot(metadata: Any) -> tuple[Any, ...]:
+    """The metadata's dataclass fields, orders and value types included (attributes a
+    patch adds, e.g. packed_outputs' reader mark on the overlay, are not compared)."""
+
+    def packed(value: Any) -> Any:
+        return None if value is None else (type(value).__name__, value.data, value.item_size)
+
+    return (
+        type(metadata).__name__,
+        metadata.generation,
+        list(metadata.requests.items()),
+        [type(v).__name__ for v in metadata.requests.values()],
+        [(k, packed(v)) for k, v in metadata.block_hashes.items()],
+        metadata.finished_requests,
+        packed(getattr(metadata, "retained_block_hashes", None)),
+        packed(getattr(metadata, "released_block_hashes", None)),
+    )
+
+
+def _meta_state(connector: Any) -> tuple[Any, ...]:
+    """What the connector keeps between steps, in order."""
+    return (
+        list(connector._sent_hash_counts.items()),
+        [(k, None if v is None else v.data) for k, v in connector._finished_requests.items()],
+        connector._generation,
+        sorted((k, sorted(v)) for k, v in getattr(connector, "_loading", {}).items()),
+        list(getattr(connector, "_kv_cached", ())),
+    )
+
+
+def _meta_call(connector: Any, scheduler_output: Any, requests: dict[str, Any]) -> Any:
+    try:
+        result: Any = (
+            "ok",
+            _meta_snapshot(connector.build_connector_meta(scheduler_output, requests)),
+        )
+    except Exception as error:  # noqa: BLE001 - the error is the result compared
+        result = ("raise", type(error).__name__, str(error))
+    return result, _meta_state(connector)
+
+
+def _meta_error_case(
+    case: str, connector: Any, scheduled: dict[str, int], requests: dict[str, Any]
+) -> Any:
+    """One of upstream's errors on a copy of the connector and requests (the run goes on)."""
+    import copy
+
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    clone = copy.copy(connector)
+    for name, value in vars(connector).items():
+        if isinstance(value, dict | list):
+            setattr(clone, name, copy.copy(value))
+    requests = dict(requests)
+    scheduled = dict(scheduled)
+    victim = list(scheduled)[len(scheduled) // 2]
+    if case == "missing request":
+        scheduled["nobody"] = 1
+    elif case == "no sampling params":
+        requests[victim] = copy.copy(requests[victim])
+        requests[victim].sampling_params = None
+    elif case == "hash history shrank":
+        clone._sent_hash_counts[victim] = len(requests[victim].block_hashes) + 1
+    else:
+        requests[victim] = copy.copy(requests[victim])
+        requests[victim].sampling_params = copy.copy(requests[victim].sampling_params)
+        requests[victim].sampling_params.routed_experts_prompt_start = None
+    scheduler_output = SchedulerOutput.make_empty()
+    scheduler_output.num_scheduled_tokens = scheduled
+    return _meta_call(clone, scheduler_output, requests)
+
+
+def _meta_run(seed: int) -> list[Any]:
+    """A randomised run of the real connector (the real Scheduler's, with its real
+    constructor) on real Requests (real block hasher, KV block size 4): arrivals,
+    chunked prefill, decode, prompt starts (0, inside and beyond the prompt, a float),
+    steps that leave requests out (their hash-only updates), finished requests,
+    prefix-cache resets, 0.33's external loads, and upstream's errors on copies."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from prime_r3.bench.loop import _block_hasher
+    from tests.test_packed_outputs import real_vllm
+
+    rng = np.random.default_rng([seed, 9])
+    real = real_vllm()
+    scheduler = real.scheduler
+    connector_type = type(scheduler.aux_output_connector)
+    # A fresh connector per run, built as the release's Scheduler builds it.
+    if len(inspect.signature(connector_type.__init__).parameters) > 1:  # 0.33
+        connector = connector_type(scheduler.kv_cache_manager, scheduler.connector)
+    else:
+        connector = connector_type()
+    hasher = _block_hasher(real.vllm_config, real.kv_cache_config)
+    live: dict[str, Any] = {}
+    trace: list[Any] = []
+    made = 0
+    # Async scheduling: a sampled token may arrive after the next step was scheduled
+    # (id -> the step it arrives at); the request can be scheduled meanwhile, and its
+    # new block hash, keyed by then, goes as a hash-only update if it is not.
+    late: dict[str, int] = {}
+    for step in range(META_STEPS):
+        for request_id, due in list(late.items()):
+            if due == step:
+                del late[request_id]
+                live[request_id].append_output_token_ids(int(rng.integers(0, 1000)))
+        target = int(rng.integers(18, 40))
+        while len(live) < target:
+            made += 1
+            prompt = int(rng.integers(2, 30))
+            start: Any = [0, 0, 0, prompt // 2, prompt + 3, 2.0][int(rng.integers(0, 6))]
+            params = SamplingParams(max_tokens=1000, routed_experts_prompt_start=start)
+            request_id = f"{int(rng.integers(0, 1 << 30)):09d}-{made}"
+            tokens = [int(t) for t in rng.integers(0, 1000, prompt)]
+            live[request_id] = Request(request_id, tokens, params, None, block_hasher=hasher)
+        if rng.random() < 0.15:
+            done = list(live)[int(rng.integers(0, len(live)))]
+            late.pop(done, None)
+            connector.request_finished(live.pop(done))
+        if rng.random() < 0.04:
+            connector.reset()
+        if hasattr(connector, "request_loading") and rng.random() < 0.2:
+            request = list(live.values())[int(rng.integers(0, len(live)))]
+            connector.request_loading(request, request.num_computed_tokens)
+        order = list(live)
+        if rng.random() < 0.3:
+            order = [order[i] for i in rng.permutation(len(order))]
+        scheduled = {}
+        for request_id in order:
+            if rng.random() < 0.85:
+                request = live[request_id]
+                left = request.num_prompt_tokens - request.num_computed_tokens
+                scheduled[request_id] = int(min(left, rng.integers(1, 9))) if left > 0 else 1
+        if step in META_ERROR_STEPS:
+            for case in META_ERRORS:
+                trace.append((case, _meta_error_case(case, connector, scheduled, live)))
+        scheduler_output = SchedulerOutput.make_empty()
+        scheduler_output.num_scheduled_tokens = scheduled
+        trace.append((step, _meta_call(connector, scheduler_output, live)))
+        for request_id, num_tokens in scheduled.items():
+            request = live[request_id]
+            request.num_computed_tokens += num_tokens
+            if late.pop(request_id, None) is not None:  # that token arrives first
+                request.append_output_token_ids(int(rng.integers(0, 1000)))
+            if request.num_computed_tokens >= request.num_tokens:
+                if rng.random() < 0.3:
+                    late[request_id] = step + 2
+                else:
+                    request.append_output_token_ids(int(rng.integers(0, 1000)))
+    return trace
+
+
+def _helper_calls(ctx: Context) -> Any:
+    """Count calls of the connector's hash helper (only where no overlay reads it: the
+    overlay sends a step whose helper is not upstream's to upstream whole)."""
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+    name = (
+        "_pack_new_hashes"
+        if "_pack_new_hashes" in vars(AuxOutputSchedulerConnector)
+        else "_take_new_hashes"
+    )
+    raw = vars(AuxOutputSchedulerConnector)[name]
+    original = raw.__func__ if isinstance(raw, staticmethod) else raw
+    calls = [0]
+
+    def counting(*args: Any) -> Any:
+        calls[0] += 1
+        return original(*args)
+
+    wrapped = staticmethod(counting) if isinstance(raw, staticmethod) else counting
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(AuxOutputSchedulerConnector, name, wrapped)
+    return monkeypatch, calls
+
+
+def scenario_meta_steps(ctx: Context) -> dict[str, Any]:
+    """build_connector_meta, step by step: metadata, connector state, errors."""
+    import prime_r3
+    from prime_r3.fixes import batched_meta
+
+    result: dict[str, Any] = {}
+    if ctx.overlay:
+        batched_meta.COUNTERS.reset()
+        result["traces"] = [_meta_run(seed) for seed in META_SEEDS]
+        result["counters"] = batched_meta.COUNTERS.snapshot()
+        prime_r3.revert(["batched_meta"])
+        monkeypatch, calls = _helper_calls(ctx)
+        try:
+            result["upstream"] = [_meta_run(seed) for seed in META_SEEDS]
+        finally:
+            monkeypatch.undo()
+            prime_r3.apply(["batched_meta"], log=False)
+    else:
+        monkeypatch, calls = _helper_calls(ctx)
+        try:
+            result["traces"] = [_meta_run(seed) for seed in META_SEEDS]
+        finally:
+            monkeypatch.undo()
+    result["helper_calls"] = calls[0]
+    result["scheduled"] = sum(
+        len(outcome[0][1][2])
+        for trace in result["traces"]
+        for key, outcome in trace
+        if isinstance(key, int) and outcome[0][0] == "ok"
+    )
+    return result
+
+
+META_SIM_SEEDS = range(8)
+
+
+def _meta_sim_runs() -> list[Any]:
+    """tests/test_batched_meta.py's differential workload (the bench simulator: vLLM's
+    real Scheduler with prefix caching, chunked prefill, preemption, aborts, prompt
+    starts, async scheduling) on this run's tree: every step's metadata and connector
+    state, and every request's rows."""
+    from tests import test_batched_meta
+
+    return [test_batched_meta.run(seed) for seed in META_SIM_SEEDS]
+
+
+def scenario_meta_simulator(ctx: Context) -> dict[str, Any]:
+    """On the overlay batched_meta alone (so the metadata carries no other patch's mark)
+    and upstream (nothing applied); on the diffs the whole patched tree."""
+    import prime_r3
+    from prime_r3.fixes import batched_meta
+
+    if not ctx.overlay:
+        return {"runs": _meta_sim_runs()}
+    result: dict[str, Any] = {}
+    saved = batched_meta.MIN_BATCH
+    batched_meta.MIN_BATCH = 2  # these steps have 20-48 requests: cover the small ones too
+    batched_meta.COUNTERS.reset()
+    prime_r3.revert()
+    try:
+        prime_r3.apply(["batched_meta"], log=False)
+        result["runs"] = _meta_sim_runs()
+        result["counters"] = batched_meta.COUNTERS.snapshot()
+        prime_r3.revert()
+        result["upstream"] = _meta_sim_runs()
+    finally:
+        batched_meta.MIN_BATCH = saved
+        prime_r3.revert()
+        prime_r3.apply(log=False)
+    return result
+
+
 # -- engine_gc ----------------------------------------------------------------------------
 
 
@@ -563,8 +909,11 @@ SCENARIOS: dict[str, tuple[str, Callable[[Context], dict[str, Any]]]] = {
     "packed_worker": ("packed_outputs", scenario_packed_worker),
     "packed_message_queue": ("packed_outputs", scenario_packed_message_queue),
     "ray_detach": ("packed_outputs", scenario_ray_detach),
+    "packed_take_memory": ("packed_outputs", scenario_packed_take_memory),
     "gc": ("engine_gc", scenario_gc),
     "arena": ("store_arena", scenario_arena),
+    "meta_steps": ("batched_meta", scenario_meta_steps),
+    "meta_simulator": ("batched_meta", scenario_meta_simulator),
 }
 
 

@@ -1,9 +1,10 @@
 """patches/: each fix as an upstream-form diff, checked against the installed vLLM and the overlay.
 
 What each release expects (``EXPECTED``): 0.31.0 and 0.32.0 carry one diff per registry
-patch that has one (all six); 0.33.0 carries engine_gc, packed_outputs and store_arena,
-because the other store patches are fixed upstream there (the registry says so, and a
-test ties the two).
+patch that has one (all seven); 0.33.0 carries engine_gc, packed_outputs, batched_meta
+and store_arena, because the other store patches are fixed upstream there (the registry
+says so, and a test ties the two). batched_take has no diff of its own: packed_outputs'
+diff carries its upstream form (``CARRIED``, the record's ``diff_in``).
 
 The parity tests build one patched copy of the installed ``vllm`` package per session
 (hard links, patched files copied; ``scripts/patches.py apply``), then run
@@ -36,12 +37,13 @@ ALL = [
     "store_eviction",
     "store_headroom",
     "store_growth",
+    "batched_meta",
     "store_arena",
 ]
 EXPECTED = {
     "0.31.0": ALL,
     "0.32.0": ALL,
-    "0.33.0": ["engine_gc", "packed_outputs", "store_arena"],
+    "0.33.0": ["engine_gc", "packed_outputs", "batched_meta", "store_arena"],
 }
 SCENARIO_TIMEOUT = 900
 
@@ -88,7 +90,9 @@ def test_one_diff_per_applicable_registry_patch(release: str) -> None:
 
 
 #: Registry patches with no diff yet (their record's ``diff_pending`` says why).
-PENDING = ["batched_commit", "batched_begin", "batched_take", "batched_meta"]
+PENDING = ["batched_commit", "batched_begin"]
+#: Registry patches whose upstream form is part of another patch's diff (``diff_in``).
+CARRIED = {"batched_take": "packed_outputs"}
 
 
 @pytest.mark.parametrize("release", sorted(EXPECTED))
@@ -99,6 +103,34 @@ def test_patches_without_a_diff_are_named_in_their_record(release: str) -> None:
     assert sorted(pending) == sorted(PENDING)
     assert all(len(why) > 20 for why in pending.values())
     assert not set(pending) & {d.name for d in patches.series(release)}
+
+
+@pytest.mark.parametrize("release", sorted(EXPECTED))
+def test_patches_carried_by_another_diff_are_named_in_their_record(release: str) -> None:
+    """batched_take's upstream form is packed_outputs' take_output: it has no diff of
+    its own, its record names the diff that carries it, and the check lists it there."""
+    assert patches.registry_carried(release) == CARRIED
+    names = [d.name for d in patches.series(release)]
+    assert all(carrier in names for carrier in CARRIED.values())
+    assert not set(CARRIED) & set(names)
+    assert not set(CARRIED) & set(patches.registry_pending(release))
+
+
+def test_a_diff_for_a_carried_patch_or_a_missing_carrier_is_reported(tmp_path: Path) -> None:
+    series_dir = tmp_path / "vllm-0.32.0"
+    shutil.copytree(ROOT / "patches/vllm-0.32.0", series_dir)
+    shutil.copy(series_dir / "05-store_growth.patch", series_dir / "08-batched_take.patch")
+    problems = patches.registry_mismatch("0.32.0", patches.series("0.32.0", tmp_path))
+    assert problems == [
+        "diff 08-batched_take.patch exists but the registry says the packed_outputs diff carries it"
+    ]
+    (series_dir / "08-batched_take.patch").unlink()
+    (series_dir / "02-packed_outputs.patch").unlink()
+    problems = patches.registry_mismatch("0.32.0", patches.series("0.32.0", tmp_path))
+    assert problems == [
+        "registry patch 'packed_outputs' applies to 0.32.0 but has no diff",
+        "registry patch 'batched_take' is carried by the packed_outputs diff, which 0.32.0 lacks",
+    ]
 
 
 def test_a_diff_for_a_pending_patch_is_reported(tmp_path: Path) -> None:
@@ -113,7 +145,7 @@ def test_a_diff_for_a_pending_patch_is_reported(tmp_path: Path) -> None:
 def test_store_patches_are_fixed_upstream_in_033() -> None:
     for spec in REGISTRY:
         reason = guards.check_version(spec, "0.33.0")
-        if spec.name in EXPECTED["0.33.0"] or spec.name in PENDING:
+        if spec.name in EXPECTED["0.33.0"] or spec.name in PENDING or spec.name in CARRIED:
             assert reason is None
         else:
             assert reason is not None and "fixed upstream" in reason, spec.name
@@ -188,6 +220,9 @@ def test_check_cli_on_the_installed_tree() -> None:
     assert f"vLLM {RELEASE} at {SITE}: pristine" in result.stdout
     for diff in patches.series(RELEASE):
         assert diff.path.name in result.stdout
+    for name, carrier in CARRIED.items():
+        diff = next(d for d in patches.series(RELEASE) if d.name == carrier)
+        assert f"{name:28} in {diff.path.name} (part of the {carrier} diff)" in result.stdout
 
 
 # -- parity: the patched tree (overlay off) against the overlay --------------------------------
@@ -241,7 +276,7 @@ def _pair(results: dict[str, Any], scenario: str, patch: str) -> tuple[Any, Any]
 
 def test_the_runs_used_the_intended_trees(results: dict[str, Any], patched_tree: Path) -> None:
     overlay, diffs = results["overlay"]["meta"], results["diffs"]["meta"]
-    assert overlay["applied"] == sorted(EXPECTED[RELEASE] + PENDING)
+    assert overlay["applied"] == sorted(EXPECTED[RELEASE] + PENDING + list(CARRIED))
     assert Path(overlay["vllm_file"]).is_relative_to(SITE)
     assert diffs["applied"] == []
     assert Path(diffs["vllm_file"]).is_relative_to(patched_tree)
@@ -315,10 +350,43 @@ def test_packed_rows_match_through_the_message_queue(results: dict[str, Any]) ->
     overlay, diffs = _pair(results, "packed_message_queue", "packed_outputs")
     assert len(diffs["reports"]) == 2 * (4 + 5)  # 4 generated steps, 5 worker steps, twice
     for ours, theirs in zip(diffs["reports"], overlay["reports"], strict=True):
-        assert _outcomes(ours) == _outcomes(theirs)
+        # Same rows, and each result pins what the overlay's does (batched_take there:
+        # its request's own array), writable.
+        assert ours == theirs
         for outcome, kept in ours:
-            if outcome[0] == "rows":  # a private copy: exactly its own bytes, writable
-                assert kept == (len(outcome[3]), True)
+            if outcome[0] == "rows":
+                assert kept[0] >= len(outcome[3]) and kept[1]
+
+
+TAKE_MEMORY_N = 400
+
+
+def test_a_taken_step_holds_its_rows_once_as_on_the_overlay(results: dict[str, Any]) -> None:
+    """batched_take's upstream form, in 02's take_output: a received step taken request
+    by request gives upstream's rows (the release's take_output on upstream's dict), each
+    result is its request's own array (all its rows) or a view of it (fewer), pinning
+    that request's rows only, as on the overlay; from the first take on the step holds
+    its rows once (plus its int64 starts and offsets), and the step with every result
+    kept holds no more than upstream's dict with its results. Before, 02's take returned
+    a copy and the step kept its packed rows: with the results kept, about twice
+    upstream's bytes on a decode step."""
+    overlay, diffs = _pair(results, "packed_take_memory", "packed_outputs")
+    hops = {(hop, kind) for hop in ("mq", "ray") for kind in ("decode", "mixed")}
+    assert diffs.keys() == overlay.keys() == hops
+    allowance = 8 * (2 * TAKE_MEMORY_N + 1)
+    for key, ours in diffs.items():
+        theirs = overlay[key]
+        assert ours["results"] == theirs["results"], key
+        for same, shape, dtype, _, pinned, pinned_upstream, writable in ours["results"]:
+            assert same and shape and dtype and writable, key
+            assert pinned <= pinned_upstream, key
+        assert {kind for _, _, _, kind, *_ in ours["results"]} == {"array", "view"}, key
+        assert ours["upstream_held"] >= ours["row_bytes"]
+        assert ours["held"] == theirs["held"], key
+        assert all(held <= ours["upstream_held"] + allowance for held in ours["held"]), key
+        assert ours["with_results"] <= ours["upstream_with_results"] + allowance, key
+        assert ours["packed_rows_dropped"] and theirs["packed_rows_dropped"], key
+        assert ours["repickled_same_rows"] and theirs["repickled_same_rows"], key
 
 
 def test_ray_detach_matches(results: dict[str, Any]) -> None:
@@ -374,6 +442,54 @@ def test_gc_thresholds_match(results: dict[str, Any]) -> None:
 def test_overlay_skips_every_patch_on_the_patched_tree(results: dict[str, Any]) -> None:
     """Installing prime_r3 into an image built with the diffs cannot apply a fix twice."""
     outcomes = results["diffs"]["meta"]["overlay_if_enabled"]
-    for name in EXPECTED[RELEASE]:
+    for name in EXPECTED[RELEASE] + list(CARRIED):  # batched_take: 02 rewrote take_output
         state, reason = outcomes[name]
         assert state == "skipped" and reason.startswith("target source changed"), (name, reason)
+
+
+# -- batched_meta: the real connector, step by step ---------------------------------------
+
+META_ERRORS = {  # what upstream raises in each case (each release's real code)
+    "missing request": "KeyError",
+    "no sampling params": "AssertionError",
+    "hash history shrank": "AssertionError",
+    "prompt start None": "TypeError",
+}
+
+
+def test_meta_steps_match_upstream_on_the_real_connector(results: dict[str, Any]) -> None:
+    """build_connector_meta, diff against overlay and against upstream (the installed
+    release's code, the overlay run with batched_meta reverted): every step's metadata
+    (values, value types, dict orders, hashes, terminal events), the connector's state
+    after it (_sent_hash_counts with its order, pending terminal events, generation,
+    0.33's loads), and upstream's errors with their effects."""
+    overlay, diffs = _pair(results, "meta_steps", "batched_meta")
+    assert diffs["traces"] == overlay["traces"] == overlay["upstream"]
+    steps = [(key, outcome) for trace in diffs["traces"] for key, outcome in trace]
+    errors = {(key, outcome[0][:2]) for key, outcome in steps if not isinstance(key, int)}
+    assert errors == {(case, ("raise", error)) for case, error in META_ERRORS.items()}
+    ok = [outcome[0][1] for key, outcome in steps if isinstance(key, int)]
+    assert len(ok) == len(diffs["traces"]) * 70  # no ordinary step raised
+    # What the runs went through: hash-only updates of unscheduled requests, terminal
+    # events (with their final hashes), resets, prompt starts that win, a float start.
+    assert any(set(dict(m[4])) - set(dict(m[2])) - set(m[5]) for m in ok)
+    assert sum(bool(m[5]) for m in ok) > 20
+    assert max(m[1] for m in ok) > 0
+    assert any("float" in m[3] for m in ok)
+    # The diff's fast path ran: fewer hash-helper calls than upstream's one per request.
+    assert diffs["scheduled"] == overlay["scheduled"] > 10_000
+    assert diffs["helper_calls"] < 0.8 * overlay["helper_calls"]
+    assert overlay["counters"]["fast_requests"] > 5_000  # and the overlay's
+
+
+def test_meta_simulator_runs_match_upstream(results: dict[str, Any]) -> None:
+    """tests/test_batched_meta.py's workload (the bench's simulator around vLLM's real
+    Scheduler: prefix hits, chunked prefill, preemption, aborts, prompt starts, async
+    scheduling) on the patched tree: same metadata and connector state every step and
+    the same rows for every request as upstream and as the overlay."""
+    overlay, diffs = _pair(results, "meta_simulator", "batched_meta")
+    assert diffs["runs"] == overlay["runs"] == overlay["upstream"]
+    assert sum(len(trace) for trace, _, _ in diffs["runs"]) > 800
+    assert sum(seen["preempted"] for _, _, seen in diffs["runs"]) > 0
+    assert sum(seen["hit_tokens"] for _, _, seen in diffs["runs"]) > 0
+    assert overlay["counters"]["fast_requests"] > overlay["counters"]["fallback_requests"] > 0

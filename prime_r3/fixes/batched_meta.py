@@ -358,5 +358,4 @@ SPEC = PatchSpec(
         Anchor(_REQUEST, "Request.num_output_tokens", _NUM_OUTPUT_TOKENS),
         Anchor(_REQUEST, "Request.__init__", _REQUEST_INIT),
     ),
-    diff_pending="upstream would keep per-request emit inputs in arrays in build_connector_meta",
 )

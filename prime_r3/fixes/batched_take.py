@@ -154,8 +154,7 @@ SPEC = PatchSpec(
             calling=Calling.PLAIN,  # called per request per step: no wrapt binding
         ),
     ),
-    diff_pending=(
-        "its upstream form is a packed step type that take_output slices, "
-        "which belongs with packed_outputs' upstream diff"
-    ),
+    # Upstream form: packed_outputs' diff (02) makes take_output split a received
+    # PackedAuxOutputs at its first take and hand out each request's array or a view.
+    diff_in="packed_outputs",
 )

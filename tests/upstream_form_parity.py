@@ -147,6 +147,91 @@ def run(site: Path, seeds: range, steps: int, shapes: str) -> dict[str, Any]:
     }
 
 
+def crafted(site: Path) -> dict[str, Any]:
+    """Steps the randomised workload never makes, each on both sides: the same error
+    (or none), outputs and worker state. Returns what each case ended with."""
+    import numpy as np
+    import vllm.distributed.aux_output_connector.worker as patched_worker
+    from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata
+
+    from tests import batched_harness as harness
+
+    pristine = pristine_modules(site)
+    shape = harness.Shape(block=4, token_shape=(3, 2), dtype=np.uint16)
+
+    def sides() -> dict[str, Any]:
+        return {
+            "upstream": harness.make_connector(shape, False, pristine["worker"]),
+            "patched": harness.make_connector(shape, False, patched_worker),
+        }
+
+    def meta(requests: dict[str, int], finished: tuple[str, ...] = ()) -> Any:
+        return AuxOutputConnectorMetadata(0, requests, {}, finished)
+
+    def pending(connector: Any, ids: list[str], starts: list[int], sizes: list[int]) -> Any:
+        total = sum(sizes)
+        rows = np.arange(total * 6, dtype=np.uint16).reshape(total, 3, 2)
+        batch = harness._InputBatch(
+            req_ids=ids,
+            query_start_loc_np=np.concatenate(([0], np.cumsum(sizes))).astype(np.int32),
+            num_computed_tokens_np=np.array(starts, np.int32),
+        )
+        connector._capturer = harness._Capturer(rows)
+        out = connector.prepare_output(batch)
+        out.enqueue_cpu_copy(np.ones(len(ids), np.int32), np.zeros(len(ids), np.int32))
+        return out
+
+    def both(action: Any) -> tuple[Any, Any]:
+        """``action(connector)`` on both sides: (error or output state, worker state)."""
+        found = {}
+        for name, connector in connections.items():
+            try:
+                result = harness.output_state(action(connector))
+            except Exception as error:  # noqa: BLE001
+                result = harness.error_of(error)
+            found[name] = (result, harness.worker_state(connector))
+        assert found["upstream"] == found["patched"], found
+        return found["patched"]
+
+    ends: dict[str, Any] = {}
+    # A settled request whose emit start is ahead of the worker's emit cursor: begin_step
+    # adds the new requests before it, not those after, then raises.
+    connections = sides()
+    both(lambda c: c.begin_step(meta({"a": 0, "b": 0})))
+    both(lambda c: pending(c, ["a", "b"], [0, 0], [3, 2]).process_output())
+    ends["emit_ahead"] = both(lambda c: c.begin_step(meta({"n1": 0, "a": 5, "n2": 0, "b": 0})))
+    # A step naming a request the worker does not know: prepare_output counts the ones
+    # before it, then raises KeyError.
+    connections = sides()
+    both(lambda c: c.begin_step(meta({"a": 0, "b": 0})))
+    ends["unknown_in_prepare"] = both(lambda c: pending(c, ["a", "x", "b"], [0, 0, 0], [1, 1, 1]))
+    # A request listed twice in one step (its second capture moves backwards), and a
+    # repeated request whose first capture kept nothing.
+    connections = sides()
+    both(lambda c: c.begin_step(meta({"a": 0, "b": 0})))
+    both(lambda c: pending(c, ["a", "b"], [0, 0], [4, 4]).process_output())
+    both(lambda c: c.begin_step(meta({"a": 4, "b": 4})))
+    ends["repeated"] = both(
+        lambda c: pending(c, ["a", "b", "a"], [4, 4, 4], [1, 1, 1]).process_output()
+    )
+    # Decodes on both sides of a run of other requests, a new aligned tail, a tail that
+    # completes, and a finished request torn down by the step that covered it.
+    connections = sides()
+    both(lambda c: c.begin_step(meta({"a": 0, "b": 0, "c": 0})))
+    both(lambda c: pending(c, ["a", "b", "c"], [0, 0, 0], [3, 4, 5]).process_output())
+    both(lambda c: c.begin_step(meta({"a": 3, "b": 4, "c": 5})))
+    step = {}
+    for name, connector in connections.items():
+        step[name] = pending(connector, ["a", "c", "b"], [3, 5, 4], [1, 2, 1])
+    both(lambda c: c.begin_step(meta({}, finished=("a",))))
+    ends["mixed_then_teardown"] = both(
+        lambda c: step["upstream" if c is connections["upstream"] else "patched"].process_output()
+    )
+    for connector in connections.values():
+        connector.close()
+    return ends
+
+
 def _count_paths(connector: Any, paths: Counter[str]) -> None:
     """Count, on this connector, the requests its decode runs committed at once
     (``_commit_decodes``) and the captures its loop body made one at a time, so the
@@ -173,12 +258,15 @@ def main() -> None:
     parser.add_argument("--site", type=Path, required=True)
     parser.add_argument("--seeds", default="0:200")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--shapes", choices=["ci", "small"], default="ci")
+    parser.add_argument("--shapes", choices=["ci", "small", "crafted"], default="ci")
     args = parser.parse_args()
     assert os.environ.get("PRIME_R3") == "0", "run with the overlay off (PRIME_R3=0)"
     first, last = (int(part) for part in args.seeds.split(":"))
     began = time.perf_counter()
-    result = run(args.site.resolve(), range(first, last), args.steps, args.shapes)
+    if args.shapes == "crafted":
+        result = crafted(args.site.resolve())
+    else:
+        result = run(args.site.resolve(), range(first, last), args.steps, args.shapes)
     result["seconds"] = round(time.perf_counter() - began, 1)
     args.out.write_bytes(pickle.dumps(result))
 

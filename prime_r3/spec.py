@@ -148,12 +148,20 @@ class PatchSpec:
     notes: str = field(default="")
     #: Why this patch has no upstream-form diff under ``patches/`` yet; empty when it has
     #: one for every release it applies to (``scripts/patches.py`` and
-    #: ``tests/test_upstream_diffs.py`` hold every other registry patch to that).
-    diff_pending: str = ""
+    #: ``tests/test_upstream_diffs.py`` hold every other registry patch to that). A
+    #: string covers every release; ``(release, reason)`` pairs name the releases that
+    #: still lack one (the others have theirs).
+    diff_pending: str | tuple[tuple[str, str], ...] = ""
     #: The registry patch whose upstream-form diff also carries this fix (its upstream
     #: form is a change to that patch's code, so it has no diff of its own); empty
     #: when it has its own. ``scripts/patches.py`` checks that patch has a diff.
     diff_in: str = ""
+
+    def diff_pending_for(self, release: str) -> str:
+        """Why there is no diff for ``release`` yet ("" when there is one)."""
+        if isinstance(self.diff_pending, str):
+            return self.diff_pending
+        return dict(self.diff_pending).get(release, "")
 
     def anchors_for(self, version: str | None) -> tuple[Anchor, ...]:
         """The anchors the installed release has (see ``Anchor.releases``)."""

@@ -14,6 +14,9 @@ repository root maps onto site-packages. Each diff's header records the sha256 o
 file it touches as the release ships it (``Source-sha256: <hex>  vllm/...``): ``check``
 fails loudly, naming the file, when the installed source is neither that file nor that
 file with the whole series applied (upstream moved, or something else changed it).
+A diff written on top of another one names it in its header (``Requires: NN-<name>``,
+an earlier diff of the same series): it applies after what it requires, alone or in
+the series, and a missing or later requirement is an error.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PATCHES = ROOT / "patches"
 _NAME = re.compile(r"^(\d\d)-([a-z0-9_]+)\.patch$")
 _SOURCE = re.compile(r"^Source-sha256: ([0-9a-f]{64})  (vllm/\S+)$", re.M)
+_REQUIRES = re.compile(r"^Requires:(.*)$", re.M)
+_REQUIREMENT = re.compile(r"^\d\d-[a-z0-9_]+$")
 
 
 class PatchError(RuntimeError):
@@ -52,6 +57,8 @@ class Diff:
     name: str
     #: repository-relative path -> sha256 of that file as the release ships it
     sources: dict[str, str]
+    #: ``NN-<name>`` of the earlier diffs this one is written on top of
+    requires: tuple[str, ...] = ()
 
     @property
     def files(self) -> list[str]:
@@ -69,11 +76,43 @@ def read_diff(path: Path) -> Diff:
         raise PatchError(
             f"{path}: touches {sorted(touched)} but records Source-sha256 for {sorted(sources)}"
         )
-    return Diff(path, int(match.group(1)), match.group(2), sources)
+    header = text.split("\n--- a/", 1)[0]
+    requires: list[str] = []
+    for line in _REQUIRES.findall(header):
+        names = line.split()
+        bad = [n for n in names if not _REQUIREMENT.match(n)] or ([] if names else [line])
+        if bad:
+            raise PatchError(
+                f"{path}: Requires: {bad[0]!r} is not a diff name (NN-<registry name>, "
+                "without .patch, space-separated)"
+            )
+        requires += names
+    return Diff(path, int(match.group(1)), match.group(2), sources, tuple(requires))
+
+
+def with_requirements(diff: Diff, diffs: Sequence[Diff]) -> list[Diff]:
+    """``diff`` after everything it requires (transitively), in series order."""
+    by_name = {d.path.stem: d for d in diffs}
+    needed: dict[str, Diff] = {}
+
+    def visit(current: Diff) -> None:
+        for name in current.requires:
+            required = by_name.get(name)
+            if required is None:
+                raise PatchError(f"{current.path.name} requires {name}, not in its series")
+            if required.order >= current.order:
+                raise PatchError(f"{current.path.name} requires {name}, which comes later")
+            if name not in needed:
+                needed[name] = required
+                visit(required)
+
+    visit(diff)
+    return sorted(needed.values(), key=lambda d: d.order) + [diff]
 
 
 def series(release: str, patches_dir: Path = PATCHES) -> list[Diff]:
-    """The release's diffs in apply (name) order; raises if there are none."""
+    """The release's diffs in apply (name) order; raises if there are none, or if a
+    diff requires one that is missing or comes after it."""
     directory = patches_dir / f"vllm-{release}"
     if not directory.is_dir():
         known = sorted(p.name.removeprefix("vllm-") for p in patches_dir.glob("vllm-*"))
@@ -82,6 +121,8 @@ def series(release: str, patches_dir: Path = PATCHES) -> list[Diff]:
     orders = [d.order for d in diffs]
     if len(set(orders)) != len(orders):
         raise PatchError(f"{directory}: two diffs share a number: {orders}")
+    for diff in diffs:
+        with_requirements(diff, diffs)
     return diffs
 
 
@@ -96,7 +137,9 @@ def registry_names(release: str) -> list[str]:
     return [
         spec.name
         for spec in REGISTRY
-        if check_version(spec, release) is None and not spec.diff_pending and not spec.diff_in
+        if check_version(spec, release) is None
+        and not spec.diff_pending_for(release)
+        and not spec.diff_in
     ]
 
 
@@ -110,9 +153,9 @@ def registry_pending(release: str) -> dict[str, str]:
     finally:
         sys.path.remove(str(ROOT))
     return {
-        spec.name: spec.diff_pending
+        spec.name: spec.diff_pending_for(release)
         for spec in REGISTRY
-        if check_version(spec, release) is None and spec.diff_pending
+        if check_version(spec, release) is None and spec.diff_pending_for(release)
     }
 
 
@@ -344,7 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             found = status(site, release)
             for diff in diffs:
                 size = diff.path.stat().st_size
-                print(f"{diff.path.name:28} {size:6d} B  {', '.join(diff.files)}")
+                needs = f"  (requires {', '.join(diff.requires)})" if diff.requires else ""
+                print(f"{diff.path.name:28} {size:6d} B  {', '.join(diff.files)}{needs}")
             files = {d.name: d.path.name for d in diffs}
             for name, carrier in registry_carried(release).items():
                 print(f"{name:28} in {files[carrier]} (part of the {carrier} diff)")

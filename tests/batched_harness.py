@@ -40,7 +40,6 @@ from vllm.distributed.aux_output_connector.connector import (
     AuxOutputSchedulerConnector,
     PackedBlockHashes,
 )
-from vllm.distributed.aux_output_connector.routed_experts import RoutedExpertsBuffer
 from vllm.distributed.aux_output_connector.store import (
     BackgroundBlockObjectStore,
     BlockObjectStore,
@@ -110,23 +109,30 @@ class Shape:
     free_slots: int | None = None
 
 
-def make_connector(shape: Shape, reference: bool) -> Any:
-    """The output rank's data plane as ``__init__`` builds it, minus the GPU capturer."""
+def make_connector(shape: Shape, reference: bool, worker_module: Any = None) -> Any:
+    """The output rank's data plane as ``__init__`` builds it, minus the GPU capturer.
+
+    ``worker_module`` (default: the imported ``vllm...worker``) picks whose connector
+    and buffer: the upstream-form diffs' array-held state (``_WorkerRequests``) or
+    upstream's objects, each from its own module (tests/upstream_form_parity.py).
+    """
+    module = aux_worker if worker_module is None else worker_module
     dtype = np.dtype(shape.dtype)
     nbytes = shape.block * int(np.prod(shape.token_shape)) * dtype.itemsize
-    connector = object.__new__(aux_worker.AuxOutputWorkerConnector)
+    connector = object.__new__(module.AuxOutputWorkerConnector)
     store = BlockObjectStore(max_bytes=shape.store_slots * nbytes, object_nbytes=nbytes)
     if shape.background:
         store = BackgroundBlockObjectStore(store, max_pending_batches=2 * shape.max_num_seqs)
     _record_store_calls(store)
     connector._store = store
-    connector._buffer = RoutedExpertsBuffer(
+    connector._buffer = module.RoutedExpertsBuffer(
         dtype, shape.token_shape, shape.block, shape.max_num_seqs, shape.max_batched_tokens, 2
     )
     if shape.free_slots is not None:  # the last ones: those the buffer pops first
         free = connector._buffer._free_slots
         free[:] = free[len(free) - shape.free_slots :]
-    connector._requests = {}
+    table = getattr(module, "_WorkerRequests", None)
+    connector._requests = {} if table is None else table()
     connector._generation = 0
     connector._step_metadata = None
     connector._pending_outputs = []
@@ -196,24 +202,70 @@ def store_state(connector: Any) -> tuple[Any, ...]:
     return keys, payloads, dict(store._references), evictable
 
 
+def _request_states(connector: Any) -> dict[str, tuple[Any, ...]]:
+    """Each request's worker state as upstream's ``_WorkerRequestState`` fields, read
+    from its objects or from the upstream-form diff's arrays (``_WorkerRequests``)."""
+    table = connector._requests
+    if isinstance(table, dict):
+        return {
+            request_id: (
+                tuple(state.aux_output_keys),
+                tuple((start, rows.tobytes()) for start, rows in state.pending_blocks),
+                state.capture_cursor,
+                state.scheduled_cursor,
+                state.emit_cursor,
+                state.pending_outputs,
+                state.finished,
+            )
+            for request_id, state in table.items()
+        }
+    states = {}
+    for request_id, row in table.rows.items():
+        capture = int(table.capture_cursor[row])
+        states[request_id] = (
+            tuple(table.aux_output_keys[row]),
+            tuple((start, rows.tobytes()) for start, rows in table.pending_blocks[row]),
+            None if capture == -1 else capture,
+            int(table.scheduled_cursor[row]),
+            int(table.emit_cursor[row]),
+            int(table.pending_outputs[row]),
+            bool(table.finished[row]),
+        )
+        assert bool(table.has_pending_blocks[row]) == bool(table.pending_blocks[row])
+    return states
+
+
+def _tails(buffer: Any) -> dict[Any, tuple[int, int, int]]:
+    """Each buffered tail as (slot, block start, length), from upstream's ``_RequestTail``
+    objects or the upstream-form diff's tail arrays."""
+    if hasattr(buffer, "_tail_slot"):
+        return {
+            request_id: (
+                int(buffer._tail_slot[tail]),
+                int(buffer._tail_start[tail]),
+                int(buffer._tail_length[tail]),
+            )
+            for request_id, tail in buffer._requests.items()
+        }
+    return {
+        request_id: (tail.slot, tail.block_start, tail.length)
+        for request_id, tail in buffer._requests.items()
+    }
+
+
 def worker_state(connector: Any) -> tuple[Any, ...]:
     buffer = connector._buffer
+    tails = _tails(buffer)
     requests = {}
-    for request_id, state in connector._requests.items():
-        tail = buffer._requests.get(request_id)
+    for request_id, state in _request_states(connector).items():
+        tail = tails.get(request_id)
         requests[request_id] = (
-            tuple(state.aux_output_keys),
-            tuple((start, rows.tobytes()) for start, rows in state.pending_blocks),
-            state.capture_cursor,
-            state.scheduled_cursor,
-            state.emit_cursor,
-            state.pending_outputs,
-            state.finished,
+            *state,
             None
             if tail is None
-            else (tail.block_start, tail.length, buffer._rows[tail.slot, : tail.length].tobytes()),
+            else (tail[1], tail[2], buffer._rows[tail[0], : tail[2]].tobytes()),
         )
-    stray = set(buffer._requests) - set(connector._requests)
+    stray = set(tails) - set(requests)
     return (
         connector._generation,
         requests,
@@ -221,7 +273,7 @@ def worker_state(connector: Any) -> tuple[Any, ...]:
         # Which slot each tail holds, the free list in pop order and the owned slots with
         # their blocks' bytes: slot reuse follows upstream's exactly. (A tail's slot past
         # its length holds a former tenant's rows, which nothing reads.)
-        {request_id: tail.slot for request_id, tail in buffer._requests.items()},
+        {request_id: tail[0] for request_id, tail in tails.items()},
         list(buffer._free_slots),
         sorted((slot, buffer._rows[slot].tobytes()) for slot in buffer._owned_slots.values()),
         len(connector._pending_outputs),
@@ -486,6 +538,33 @@ class Episode:
             request.sent_hashes = 0
         self.generation += 1
 
+    #: Build each step's PendingAuxOutput with the connector's own ``prepare_output``
+    #: and ``enqueue_cpu_copy`` (a stub capturer hands out the step's rows) instead of
+    #: the harness doing prepare_output's bookkeeping on upstream's state objects.
+    real_prepare = False
+
+    def _prepare(
+        self, connector: Any, items: list, rows: np.ndarray, sampled: Any, rejected: Any
+    ) -> Any:
+        """The step's PendingAuxOutput, counted in flight as prepare_output does."""
+        if self.real_prepare:
+            sizes = [n for _, _, n, _, _ in items]
+            batch = _InputBatch(
+                req_ids=[request.request_id for request, *_ in items],
+                query_start_loc_np=np.concatenate(([0], np.cumsum(sizes))).astype(np.int32),
+                num_computed_tokens_np=np.array([start for _, start, *_ in items], np.int32),
+            )
+            connector._capturer = _Capturer(rows)
+            pending = connector.prepare_output(batch)
+            pending.enqueue_cpu_copy(sampled, rejected)
+            return pending
+        pending = self._pending(connector, items, rows, sampled, rejected)
+        with connector._lock:  # the bookkeeping prepare_output does
+            connector._pending_outputs.append(pending)
+            for request, *_ in items:
+                connector._requests[request.request_id].pending_outputs += 1
+        return pending
+
     def _pending(
         self, connector: Any, items: list, rows: np.ndarray, sampled: Any, rejected: Any
     ) -> Any:
@@ -538,11 +617,7 @@ class Episode:
             try:
                 connector.begin_step(metadata)
                 if items:
-                    pending = self._pending(connector, items, rows, sampled, rejected)
-                    with connector._lock:  # the bookkeeping prepare_output does
-                        connector._pending_outputs.append(pending)
-                        for request, *_ in items:
-                            connector._requests[request.request_id].pending_outputs += 1
+                    pending = self._prepare(connector, items, rows, sampled, rejected)
                     job.pending[name] = pending
                 results[name] = None
             except Exception as error:  # noqa: BLE001
@@ -650,6 +725,39 @@ class Episode:
                 connector.close()
             except Exception:  # noqa: BLE001 - a failed store already ended the episode
                 pass
+
+
+@dataclass
+class _InputBatch:
+    """What prepare_output reads of the model runner's InputBatch."""
+
+    req_ids: list[str]
+    query_start_loc_np: np.ndarray
+    num_computed_tokens_np: np.ndarray
+
+
+class _Snapshot:
+    """A step's rows where prepare_output expects the capturer's GPU tensor:
+    enqueue_cpu_copy's ``.to("cpu", non_blocking=True).numpy()`` returns them."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+
+    def to(self, device: str, non_blocking: bool = False) -> _Snapshot:
+        assert device == "cpu" and non_blocking
+        return self
+
+    def numpy(self) -> np.ndarray:
+        return self.rows
+
+
+@dataclass
+class _Capturer:
+    rows: np.ndarray
+
+    def snapshot_routing_data(self, num_rows: int) -> _Snapshot:
+        assert num_rows == len(self.rows)
+        return _Snapshot(self.rows)
 
 
 class EpisodeOver(Exception):

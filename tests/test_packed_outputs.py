@@ -37,6 +37,7 @@ from vllm.distributed.device_communicators.shm_broadcast import MessageQueue  # 
 import prime_r3  # noqa: E402
 from prime_r3.fixes import packed_outputs  # noqa: E402
 from prime_r3.packed import FORMAT_VERSION, READS_MARK, PackedAuxOutputs  # noqa: E402
+from tests import batched_harness as harness  # noqa: E402
 
 BLOCK = 4
 LAYERS_TOPK = (3, 2)
@@ -545,20 +546,20 @@ def _run_worker_steps(seed: int, declared: bool = True) -> list[tuple[Any, list[
             setattr(metadata, READS_MARK, FORMAT_VERSION)
         connector.begin_step(metadata)
         sizes = [scheduled for _, _, scheduled, _, _ in batch]
-        pending = aux_worker.PendingAuxOutput(
-            connector=connector,
-            request_ids=[rid for rid, *_ in batch],
-            token_starts=np.array([start for _, start, *_ in batch], dtype=np.int32),
-            query_start_loc=np.concatenate(([0], np.cumsum(sizes))).astype(np.int32),
-            routed_experts_gpu=None,  # type: ignore[arg-type]
-            routed_experts=rng.integers(0, 300, (sum(sizes), *LAYERS_TOPK), dtype=np.uint16),
-            num_sampled=np.array([s for *_, s, _ in batch]),
-            num_rejected=np.array([r for *_, r in batch]),
+        rows = rng.integers(0, 300, (sum(sizes), *LAYERS_TOPK), dtype=np.uint16)
+        # The connector's own prepare_output and enqueue_cpu_copy (whatever form its
+        # request state has: upstream's objects or the diffs' arrays), handed the rows.
+        connector._capturer = harness._Capturer(rows)
+        pending = connector.prepare_output(
+            harness._InputBatch(
+                req_ids=[rid for rid, *_ in batch],
+                query_start_loc_np=np.concatenate(([0], np.cumsum(sizes))).astype(np.int32),
+                num_computed_tokens_np=np.array([start for _, start, *_ in batch], np.int32),
+            )
         )
-        with connector._lock:  # the bookkeeping prepare_output does
-            connector._pending_outputs.append(pending)
-            for rid in pending.request_ids:
-                connector._requests[rid].pending_outputs += 1
+        pending.enqueue_cpu_copy(
+            np.array([s for *_, s, _ in batch]), np.array([r for *_, r in batch])
+        )
         output = pending.process_output()
         # Every scheduled request, accepted-rows ends 0..all, and one that never ran.
         takes = [Req("Z", 3)]

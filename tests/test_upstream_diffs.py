@@ -1,10 +1,13 @@
 """patches/: each fix as an upstream-form diff, checked against the installed vLLM and the overlay.
 
 What each release expects (``EXPECTED``): 0.31.0 and 0.32.0 carry one diff per registry
-patch that has one (all seven); 0.33.0 carries engine_gc, packed_outputs, batched_meta
-and store_arena, because the other store patches are fixed upstream there (the registry
-says so, and a test ties the two). batched_take has no diff of its own: packed_outputs'
-diff carries its upstream form (``CARRIED``, the record's ``diff_in``).
+patch that has one (the six fixes, batched_commit and batched_begin, whose diffs hold
+the output worker's request state in arrays, and batched_meta); 0.33.0 carries
+engine_gc, packed_outputs, batched_meta and store_arena, because the other store
+patches are fixed upstream there (the registry says so, and a test ties the two), and
+batched_commit/batched_begin are not ported to its worker.py yet (their records say so
+for 0.33.0 only). batched_take has no diff of its own: packed_outputs' diff carries its
+upstream form (``CARRIED``, the record's ``diff_in``).
 
 The parity tests build one patched copy of the installed ``vllm`` package per session
 (hard links, patched files copied; ``scripts/patches.py apply``), then run
@@ -37,6 +40,8 @@ ALL = [
     "store_eviction",
     "store_headroom",
     "store_growth",
+    "batched_commit",
+    "batched_begin",
     "batched_meta",
     "store_arena",
 ]
@@ -89,8 +94,13 @@ def test_one_diff_per_applicable_registry_patch(release: str) -> None:
         assert all(f.startswith("vllm/") for f in diff.files)
 
 
-#: Registry patches with no diff yet (their record's ``diff_pending`` says why).
-PENDING = ["batched_commit", "batched_begin"]
+#: Registry patches with no diff yet, per release (their record's ``diff_pending`` says
+#: why): batched_commit/batched_begin have theirs on 0.31.0 and 0.32.0 only.
+PENDING = {
+    "0.31.0": [],
+    "0.32.0": [],
+    "0.33.0": ["batched_commit", "batched_begin"],
+}
 #: Registry patches whose upstream form is part of another patch's diff (``diff_in``).
 CARRIED = {"batched_take": "packed_outputs"}
 
@@ -100,7 +110,7 @@ def test_patches_without_a_diff_are_named_in_their_record(release: str) -> None:
     """A patch may only go without a diff where its record says so, with a reason; the
     check then lists it, so the overlay-only fixes are visible, not silently missing."""
     pending = patches.registry_pending(release)
-    assert sorted(pending) == sorted(PENDING)
+    assert sorted(pending) == sorted(PENDING[release])
     assert all(len(why) > 20 for why in pending.values())
     assert not set(pending) & {d.name for d in patches.series(release)}
 
@@ -125,27 +135,37 @@ def test_a_diff_for_a_carried_patch_or_a_missing_carrier_is_reported(tmp_path: P
         "diff 08-batched_take.patch exists but the registry says the packed_outputs diff carries it"
     ]
     (series_dir / "08-batched_take.patch").unlink()
-    (series_dir / "02-packed_outputs.patch").unlink()
+    # Without 02, so without the diffs that require it (06, and 07 on 06).
+    for name in ("02-packed_outputs", "06-batched_commit", "07-batched_begin"):
+        (series_dir / f"{name}.patch").unlink()
     problems = patches.registry_mismatch("0.32.0", patches.series("0.32.0", tmp_path))
     assert problems == [
         "registry patch 'packed_outputs' applies to 0.32.0 but has no diff",
+        "registry patch 'batched_commit' applies to 0.32.0 but has no diff",
+        "registry patch 'batched_begin' applies to 0.32.0 but has no diff",
         "registry patch 'batched_take' is carried by the packed_outputs diff, which 0.32.0 lacks",
     ]
 
 
-def test_a_diff_for_a_pending_patch_is_reported(tmp_path: Path) -> None:
-    series_dir = tmp_path / "vllm-0.32.0"
-    shutil.copytree(ROOT / "patches/vllm-0.32.0", series_dir)
-    shutil.copy(series_dir / "05-store_growth.patch", series_dir / "06-batched_commit.patch")
-    problems = patches.registry_mismatch("0.32.0", patches.series("0.32.0", tmp_path))
+def test_a_diff_pending_for_one_release_only_is_reported_there(tmp_path: Path) -> None:
+    """batched_commit's record is pending for 0.33.0 only: a diff there is reported."""
+    series_dir = tmp_path / "vllm-0.33.0"
+    shutil.copytree(ROOT / "patches/vllm-0.33.0", series_dir)
+    shutil.copy(series_dir / "02-packed_outputs.patch", series_dir / "06-batched_commit.patch")
+    problems = patches.registry_mismatch("0.33.0", patches.series("0.33.0", tmp_path))
     assert len(problems) == 1
     assert problems[0].startswith("diff 06-batched_commit.patch exists but the registry says")
+    assert "0.33.0" in problems[0]
 
 
 def test_store_patches_are_fixed_upstream_in_033() -> None:
     for spec in REGISTRY:
         reason = guards.check_version(spec, "0.33.0")
-        if spec.name in EXPECTED["0.33.0"] or spec.name in PENDING or spec.name in CARRIED:
+        if (
+            spec.name in EXPECTED["0.33.0"]
+            or spec.name in PENDING["0.33.0"]
+            or spec.name in CARRIED
+        ):
             assert reason is None
         else:
             assert reason is not None and "fixed upstream" in reason, spec.name
@@ -155,12 +175,66 @@ def test_a_missing_or_extra_diff_is_reported(tmp_path: Path) -> None:
     series_dir = tmp_path / "vllm-0.32.0"
     shutil.copytree(ROOT / "patches/vllm-0.32.0", series_dir)
     (series_dir / "03-store_eviction.patch").unlink()
-    shutil.copy(series_dir / "05-store_growth.patch", series_dir / "06-store_shrink.patch")
+    shutil.copy(series_dir / "05-store_growth.patch", series_dir / "11-store_shrink.patch")
     problems = patches.registry_mismatch("0.32.0", patches.series("0.32.0", tmp_path))
     assert problems == [
         "registry patch 'store_eviction' applies to 0.32.0 but has no diff",
-        "diff 06-store_shrink.patch has no registry patch that applies to 0.32.0",
+        "diff 11-store_shrink.patch has no registry patch that applies to 0.32.0",
     ]
+
+
+def _with_header_line(path: Path, line: str) -> None:
+    head, body = path.read_text().split("\n--- a/", 1)
+    path.write_text(f"{head}\n{line}\n--- a/{body}")
+
+
+@pytest.mark.parametrize(
+    "requires",
+    ["Requires: 02-packed_outputs.patch", "Requires: packed_outputs", "Requires:"],
+)
+def test_a_malformed_requirement_is_refused(tmp_path: Path, requires: str) -> None:
+    series_dir = tmp_path / "vllm-0.32.0"
+    shutil.copytree(ROOT / "patches/vllm-0.32.0", series_dir)
+    _with_header_line(series_dir / "05-store_growth.patch", requires)
+    with pytest.raises(patches.PatchError, match="Requires: .* is not a diff name"):
+        patches.series("0.32.0", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("requires", "why"),
+    [("03-store_shrink", "not in its series"), ("10-store_arena", "comes later")],
+)
+def test_a_missing_or_later_requirement_is_refused(tmp_path: Path, requires: str, why: str) -> None:
+    series_dir = tmp_path / "vllm-0.32.0"
+    shutil.copytree(ROOT / "patches/vllm-0.32.0", series_dir)
+    _with_header_line(series_dir / "05-store_growth.patch", f"Requires: {requires}")
+    expected = f"05-store_growth.patch requires {requires}.*{why}"
+    with pytest.raises(patches.PatchError, match=expected):
+        patches.series("0.32.0", tmp_path)
+    cli = [sys.executable, str(ROOT / "scripts/patches.py"), "check"]
+    # The CLI reads the repository's series, which stays well-formed.
+    assert subprocess.run(cli, capture_output=True, text=True, check=False).returncode == 0
+
+
+@pytest.mark.parametrize("release", sorted(EXPECTED))
+def test_requirements_are_declared_where_a_diff_needs_them(release: str) -> None:
+    """06 is written on top of 02 (the packed output type), 07 on top of 06; the rest
+    stand alone. ``with_requirements`` orders what one diff needs before it."""
+    diffs = patches.series(release)
+    requires = {d.name: d.requires for d in diffs if d.requires}
+    if "batched_commit" in EXPECTED[release]:
+        assert requires == {
+            "batched_commit": ("02-packed_outputs",),
+            "batched_begin": ("06-batched_commit",),
+        }
+        begin = next(d for d in diffs if d.name == "batched_begin")
+        assert [d.name for d in patches.with_requirements(begin, diffs)] == [
+            "packed_outputs",
+            "batched_commit",
+            "batched_begin",
+        ]
+    else:
+        assert requires == {}
 
 
 # -- applying to the installed release --------------------------------------------------------
@@ -172,13 +246,32 @@ def test_diffs_apply_cleanly_to_the_installed_release() -> None:
 
 
 def test_each_diff_also_applies_alone(tmp_path: Path) -> None:
-    """Like PRIME_R3_PATCHES for the overlay, any one fix can be built in by itself."""
-    for diff in patches.series(RELEASE):
+    """Like PRIME_R3_PATCHES for the overlay, any one fix can be built in by itself,
+    together with the diffs it declares it is written on top of (``Requires:``)."""
+    diffs = patches.series(RELEASE)
+    for diff in diffs:
+        needed = patches.with_requirements(diff, diffs)
+        work = tmp_path / diff.name
+        for file in {f for d in needed for f in d.files}:
+            (work / file).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(SITE / file, work / file)
+        for each in needed:
+            patches._run_patch(each, work)
+
+
+def test_a_diff_that_needs_another_does_not_apply_without_it(tmp_path: Path) -> None:
+    """The ``Requires:`` lines are needed: 06 and 07 do not apply to the release's files."""
+    needing = [d for d in patches.series(RELEASE) if d.requires]
+    if "batched_commit" not in EXPECTED[RELEASE]:
+        assert needing == []
+        pytest.skip(f"no diff of vLLM {RELEASE} requires another")
+    for diff in needing:
         work = tmp_path / diff.name
         for file in diff.files:
             (work / file).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(SITE / file, work / file)
-        patches._run_patch(diff, work)
+        with pytest.raises(patches.PatchError, match="does not apply"):
+            patches._run_patch(diff, work)
 
 
 @pytest.fixture(scope="session")
@@ -276,7 +369,7 @@ def _pair(results: dict[str, Any], scenario: str, patch: str) -> tuple[Any, Any]
 
 def test_the_runs_used_the_intended_trees(results: dict[str, Any], patched_tree: Path) -> None:
     overlay, diffs = results["overlay"]["meta"], results["diffs"]["meta"]
-    assert overlay["applied"] == sorted(EXPECTED[RELEASE] + PENDING + list(CARRIED))
+    assert overlay["applied"] == sorted(EXPECTED[RELEASE] + PENDING[RELEASE] + list(CARRIED))
     assert Path(overlay["vllm_file"]).is_relative_to(SITE)
     assert diffs["applied"] == []
     assert Path(diffs["vllm_file"]).is_relative_to(patched_tree)
@@ -493,3 +586,103 @@ def test_meta_simulator_runs_match_upstream(results: dict[str, Any]) -> None:
     assert sum(seen["preempted"] for _, _, seen in diffs["runs"]) > 0
     assert sum(seen["hit_tokens"] for _, _, seen in diffs["runs"]) > 0
     assert overlay["counters"]["fast_requests"] > overlay["counters"]["fallback_requests"] > 0
+
+
+# -- parity: the upstream-form worker connector against the installed release's -----------
+
+#: tests/test_batched_commit.py's differential workload: 200 seeds x 300 steps (two
+#: processes of 100 seeds), then 8 seeds x 150 steps at block sizes 1, 2, 3 and 8 with
+#: roomy pools and pools of 5 and 9 free slots that run dry.
+UPSTREAM_FORM_RUNS = {
+    "ci_0": ("ci", "0:100", 300),
+    "ci_1": ("ci", "100:200", 300),
+    "small": ("small", "0:8", 150),
+    "crafted": ("crafted", "0:0", 0),
+}
+UPSTREAM_FORM_TIMEOUT = 2400
+CASES = (
+    "decode",
+    "chunked_prefill",
+    "rejected_suffix",
+    "capture_reattach",
+    "preempt",
+    "prefix_hit",
+    "emit_from_store_or_buffer",
+    "generation_change",
+    "finished_in_flight",
+    "prompt_start",
+    "two_in_flight",
+)
+
+
+@pytest.fixture(scope="session")
+def upstream_form(patched_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """tests/upstream_form_parity.py runs (the patched tree's connector against the
+    installed one), two at a time."""
+    if "batched_commit" not in EXPECTED[RELEASE]:
+        pytest.skip(f"no upstream-form diff of batched_commit for vLLM {RELEASE} yet")
+    tmp = tmp_path_factory.mktemp("upstream_form")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PRIME_R3", "VLLM_GC_"))}
+    env.update(PRIME_R3="0", VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="ERROR")
+    env["PYTHONPATH"] = os.pathsep.join([str(patched_tree), str(ROOT)])
+    found: dict[str, Any] = {}
+    names = list(UPSTREAM_FORM_RUNS)
+    for pair in (names[:2], names[2:]):
+        running = {}
+        for name in pair:
+            shapes, seeds, steps = UPSTREAM_FORM_RUNS[name]
+            command = [sys.executable, "-m", "tests.upstream_form_parity", str(tmp / name)]
+            command += ["--site", str(SITE), "--shapes", shapes, "--seeds", seeds]
+            command += ["--steps", str(steps)]
+            running[name] = subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        for name, process in running.items():
+            output, _ = process.communicate(timeout=UPSTREAM_FORM_TIMEOUT)
+            assert process.returncode == 0, f"{name} differs:\n{output[-6000:]}"
+            found[name] = pickle.loads((tmp / name).read_bytes())
+    return found
+
+
+def test_upstream_form_worker_matches_the_installed_one(
+    upstream_form: dict[str, Any], patched_tree: Path
+) -> None:
+    """06/07's connector against the release's own (tests/batched_harness.py, every step:
+    outputs, take_output bytes, errors, worker state and slots, store calls and store),
+    with both its paths driven: decode runs committed at once and the loop body."""
+    ci = [upstream_form["ci_0"], upstream_form["ci_1"]]
+    for run in [*ci, upstream_form["small"]]:
+        assert Path(run["patched_file"]).is_relative_to(patched_tree)
+        assert Path(run["pristine_file"]).is_relative_to(SITE)
+        assert run["paths"]["decodes_at_once"] > 0 and run["paths"]["loop_captures"] > 0
+    assert sum(run["episodes"] for run in ci) == 200
+    steps = sum(run["steps"] for run in ci)
+    assert steps > 200 * 300 // 2 and sum(run["checks"] for run in ci) > steps
+    seen = {case: sum(run["seen"].get(case, 0) for run in ci) for case in CASES}
+    assert all(seen.values()), seen
+    # The dry pools end episodes on upstream's error, raised alike on both sides.
+    small = upstream_form["small"]
+    assert small["episodes"] == 8 * 12
+    assert small["ends"].get(("AssertionError", "auxiliary output block pool is exhausted"), 0)
+
+
+def test_upstream_form_worker_matches_on_steps_the_workload_never_makes(
+    upstream_form: dict[str, Any],
+) -> None:
+    """Crafted steps, each compared on both sides (error, outputs, worker state)."""
+    ends = upstream_form["crafted"]
+    assert ends["emit_ahead"][0] == (
+        "AssertionError",
+        "auxiliary output Scheduler emit cursor moved ahead",
+    )
+    assert "n1" in ends["emit_ahead"][1][1] and "n2" not in ends["emit_ahead"][1][1]
+    assert ends["unknown_in_prepare"][0] == ("KeyError", "'x'")
+    assert ends["repeated"][0] == ("AssertionError", "auxiliary output capture moved backwards")
+    outputs, state = ends["mixed_then_teardown"]
+    assert [request_id for request_id, *_ in outputs] == ["a", "c", "b"]
+    assert "a" not in state[1]  # torn down by the step that covered it

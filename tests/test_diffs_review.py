@@ -1,0 +1,120 @@
+"""Review findings on the upstream-form diffs (02's split take, 09's short path).
+
+Each test drives the patched ``connector.py`` of the installed release (built with
+``scripts/patches.py apply``, loaded as a module of its own) against the installed
+upstream, on inputs the scenarios in ``tests/diffs_scenarios.py`` do not reach. Every
+release expects the same thing: the diff behaves as the installed upstream does.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import pickle
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.test_upstream_diffs import RELEASE, SITE, patches
+
+CONNECTOR = "vllm/distributed/aux_output_connector/connector.py"
+
+
+@pytest.fixture(scope="module")
+def patched_connector(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
+    """The release's connector.py with its diffs applied, as a module of its own."""
+    tree = patches.apply(SITE, RELEASE, tmp_path_factory.mktemp("review_vllm"))
+    name = "review_patched_connector"
+    spec = importlib.util.spec_from_file_location(name, Path(tree) / CONNECTOR)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _connector(connector_type: type) -> Any:
+    """A connector built as the release's real Scheduler builds it."""
+    if len(inspect.signature(connector_type.__init__).parameters) > 1:  # 0.33
+        from tests.test_packed_outputs import real_vllm
+
+        scheduler = real_vllm().scheduler
+        return connector_type(scheduler.kv_cache_manager, scheduler.connector)
+    return connector_type()
+
+
+def _meta(connector: Any, scheduled: dict[str, int], requests: dict[str, Any]) -> Any:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    scheduler_output = SchedulerOutput.make_empty()
+    scheduler_output.num_scheduled_tokens = scheduled
+    try:
+        metadata = connector.build_connector_meta(scheduler_output, requests)
+        result: Any = ("ok", list(metadata.requests.items()), list(metadata.block_hashes))
+    except Exception as error:  # noqa: BLE001 - the error is the result compared
+        result = ("raise", type(error).__name__, str(error))
+    return result, list(connector._sent_hash_counts.items())
+
+
+def _step(patched_connector: ModuleType) -> Any:
+    outputs = {
+        f"r{i}": patched_connector.AuxRequestOutput(
+            10 * i, np.arange(6 * i, 6 * i + 6, dtype=np.uint16).reshape(3, 2)
+        )
+        for i in range(4)
+    }
+    return patched_connector.PackedAuxOutputs.pack(outputs, np.dtype(np.uint16), (2,))
+
+
+def test_a_step_being_split_reads_whole_from_another_thread(
+    patched_connector: ModuleType,
+) -> None:
+    """Upstream's received dict reads the same from any thread at any time. The split
+    step is mutated by its first lookup; a lookup or a pickle from another thread while
+    that first lookup is finishing its split must see every request's rows. The trace
+    stops the first lookup's thread as ``_split`` returns (deterministic interleaving)."""
+    step = _step(patched_connector)
+    split = type(step)._split.__code__
+    paused, resume = threading.Event(), threading.Event()
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not split:
+            return None
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            if event == "return":
+                paused.set()
+                resume.wait(30)
+            return local
+
+        return local
+
+    def first() -> None:
+        sys.settrace(tracer)
+        try:
+            step.lookup("r0")
+        finally:
+            sys.settrace(None)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert paused.wait(30)
+        found = step.lookup("r2")
+        try:
+            again = pickle.loads(pickle.dumps(step))
+            pickled: Any = [again.lookup(f"r{i}")[1].tolist() for i in range(4)]
+        except Exception as error:  # noqa: BLE001 - compared below
+            pickled = repr(error)
+    finally:
+        resume.set()
+        thread.join(30)
+    assert found is not None and found[0] == 20
+    assert found[1].tolist() == [[12, 13], [14, 15], [16, 17]]
+    assert pickled == [np.arange(6 * i, 6 * i + 6).reshape(3, 2).tolist() for i in range(4)]
+    assert step.lookup("r3") is not None

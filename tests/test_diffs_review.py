@@ -61,6 +61,26 @@ def _meta(connector: Any, scheduled: dict[str, int], requests: dict[str, Any]) -
     return result, list(connector._sent_hash_counts.items())
 
 
+def test_meta_request_keyed_under_another_id_as_upstream(
+    reverted: pytest.MonkeyPatch, patched_connector: ModuleType
+) -> None:
+    """A requests dict whose key is not the request's own id: 0.33's upstream keys its
+    sent-hash count by ``request.request_id`` inside ``_take_new_hashes`` (KeyError here),
+    0.31/0.32's by the key; the short path must not answer from the key's count."""
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    def run(connector_type: type) -> Any:
+        request = Request("b", [1, 2, 3], SamplingParams(max_tokens=8), None)
+        request.num_computed_tokens = 3
+        request.append_output_token_ids(5)
+        return _meta(_connector(connector_type), {"a": 1}, {"a": request})
+
+    upstream = run(AuxOutputSchedulerConnector)
+    assert run(patched_connector.AuxOutputSchedulerConnector) == upstream
+
+
 def _step(patched_connector: ModuleType) -> Any:
     outputs = {
         f"r{i}": patched_connector.AuxRequestOutput(

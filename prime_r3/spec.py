@@ -155,6 +155,21 @@ class PatchSpec:
     #: when it has its own. ``scripts/patches.py`` checks that patch has a diff.
     diff_in: str = ""
 
+    def __post_init__(self) -> None:
+        # Refused here, not in scripts/patches.py: a record that is both carried and
+        # pending, or carried by itself, would otherwise pass its checks silently.
+        if self.diff_in and self.diff_pending:
+            raise ValueError(
+                f"patch {self.name!r}: diff_in={self.diff_in!r} and diff_pending="
+                f"{self.diff_pending!r} are both set; a patch is either carried by "
+                "another patch's diff or waiting for its own, set one of them"
+            )
+        if self.diff_in == self.name:
+            raise ValueError(
+                f"patch {self.name!r}: diff_in={self.diff_in!r} names the patch itself; "
+                "valid choices: another registry patch's name, or empty for its own diff"
+            )
+
     def anchors_for(self, version: str | None) -> tuple[Anchor, ...]:
         """The anchors the installed release has (see ``Anchor.releases``)."""
         return tuple(a for a in self.anchors if a.exists_in(version))

@@ -138,3 +138,26 @@ def test_a_step_being_split_reads_whole_from_another_thread(
     assert found[1].tolist() == [[12, 13], [14, 15], [16, 17]]
     assert pickled == [np.arange(6 * i, 6 * i + 6).reshape(3, 2).tolist() for i in range(4)]
     assert step.lookup("r3") is not None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("diff_pending", "no diff yet, for a reason long enough", "both"),
+        ("diff_in", "batched_take", "itself"),
+    ],
+)
+def test_a_contradictory_diff_record_fails_at_parse_time(
+    field: str, value: str, words: str
+) -> None:
+    """A record both carried by another diff and pending a diff of its own passed every
+    check silently (``registry_mismatch`` counts it in both lists and reports nothing);
+    one carried by its own diff is never linked to one. Both are refused when built."""
+    import dataclasses
+
+    from prime_r3.patches import REGISTRY
+
+    spec = next(s for s in REGISTRY if s.name == "batched_take")
+    assert spec.diff_in == "packed_outputs"
+    with pytest.raises(ValueError, match=rf"batched_take.*{field}.*{words}"):
+        dataclasses.replace(spec, **{field: value})

@@ -161,3 +161,39 @@ def test_a_contradictory_diff_record_fails_at_parse_time(
     assert spec.diff_in == "packed_outputs"
     with pytest.raises(ValueError, match=rf"batched_take.*{field}.*{words}"):
         dataclasses.replace(spec, **{field: value})
+
+
+def test_overlay_meta_request_keyed_under_another_id_as_upstream(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """The overlay's batched_meta on the same input as the diff's test above, one step
+    later (the key already has a sent count, so its scan finds the request quiet): the
+    same metadata, connector state or error as upstream (0.33's reads the count under
+    ``request.request_id``)."""
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    import prime_r3
+
+    def run() -> Any:
+        connector = _connector(AuxOutputSchedulerConnector)
+        first = Request("a", [1, 2, 3], SamplingParams(max_tokens=8), None)
+        other = Request("b", [1, 2, 3], SamplingParams(max_tokens=8), None)
+        for request in (first, other):
+            request.num_computed_tokens = 3
+            request.append_output_token_ids(5)
+        other.append_output_token_ids(6)  # past its prompt: the overlay's fast test
+        other.num_computed_tokens = 4
+        return [
+            _meta(connector, {"a": 1}, {"a": first}),
+            _meta(connector, {"a": 1}, {"a": other}),
+        ]
+
+    upstream = run()
+    from prime_r3.fixes import batched_meta
+
+    reverted.setattr(batched_meta, "MIN_BATCH", 1)  # its fast path on a one-request step
+    report = prime_r3.apply(["batched_meta"], log=False)
+    assert [o.state for o in report.outcomes if o.name == "batched_meta"] == ["applied"]
+    assert run() == upstream

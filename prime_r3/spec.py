@@ -157,6 +157,32 @@ class PatchSpec:
     #: when it has its own. ``scripts/patches.py`` checks that patch has a diff.
     diff_in: str = ""
 
+    def __post_init__(self) -> None:
+        # Refused here, not in scripts/patches.py: a record that is both carried and
+        # pending, or carried by itself, would otherwise pass its checks silently.
+        if self.diff_in and self.diff_pending:
+            raise ValueError(
+                f"patch {self.name!r}: diff_in={self.diff_in!r} and diff_pending="
+                f"{self.diff_pending!r} are both set; a patch is either carried by "
+                "another patch's diff or waiting for its own, set one of them"
+            )
+        if not isinstance(self.diff_pending, str) and not all(
+            isinstance(pair, tuple)
+            and len(pair) == 2
+            and all(isinstance(x, str) and x for x in pair)
+            for pair in self.diff_pending
+        ):
+            raise ValueError(
+                f"patch {self.name!r}: diff_pending={self.diff_pending!r}; valid choices: "
+                "a reason string (every release) or (release, reason) pairs of non-empty "
+                "strings (the releases still without a diff)"
+            )
+        if self.diff_in == self.name:
+            raise ValueError(
+                f"patch {self.name!r}: diff_in={self.diff_in!r} names the patch itself; "
+                "valid choices: another registry patch's name, or empty for its own diff"
+            )
+
     def diff_pending_for(self, release: str) -> str:
         """Why there is no diff for ``release`` yet ("" when there is one)."""
         if isinstance(self.diff_pending, str):

@@ -276,7 +276,9 @@ def _scan_033(
         except KeyError:
             raise _Whole from None
         sampling = request.sampling_params
-        if sampling is None:
+        if sampling is None or request.request_id != request_id:
+            # _take_new_hashes reads the sent count under request.request_id: a request
+            # keyed under another id gets upstream's answer (or error), whole.
             raise _Whole
         num_sent = sent_get(request_id, -1)
         num_hashes = len(request.block_hashes)

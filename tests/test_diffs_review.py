@@ -1,0 +1,217 @@
+"""Review findings on the upstream-form diffs (02's split take, 09's short path).
+
+Each test drives the patched ``connector.py`` of the installed release (built with
+``scripts/patches.py apply``, loaded as a module of its own) against the installed
+upstream, on inputs the scenarios in ``tests/diffs_scenarios.py`` do not reach. Every
+release expects the same thing: the diff behaves as the installed upstream does.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import pickle
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.test_upstream_diffs import RELEASE, SITE, patches
+
+CONNECTOR = "vllm/distributed/aux_output_connector/connector.py"
+
+
+@pytest.fixture(scope="module")
+def patched_connector(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
+    """The release's connector.py with its diffs applied, as a module of its own."""
+    tree = patches.apply(SITE, RELEASE, tmp_path_factory.mktemp("review_vllm"))
+    name = "review_patched_connector"
+    spec = importlib.util.spec_from_file_location(name, Path(tree) / CONNECTOR)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _connector(connector_type: type) -> Any:
+    """A connector built as the release's real Scheduler builds it."""
+    if len(inspect.signature(connector_type.__init__).parameters) > 1:  # 0.33
+        from tests.test_packed_outputs import real_vllm
+
+        scheduler = real_vllm().scheduler
+        return connector_type(scheduler.kv_cache_manager, scheduler.connector)
+    return connector_type()
+
+
+def _meta(connector: Any, scheduled: dict[str, int], requests: dict[str, Any]) -> Any:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    scheduler_output = SchedulerOutput.make_empty()
+    scheduler_output.num_scheduled_tokens = scheduled
+    try:
+        metadata = connector.build_connector_meta(scheduler_output, requests)
+        result: Any = ("ok", list(metadata.requests.items()), list(metadata.block_hashes))
+    except Exception as error:  # noqa: BLE001 - the error is the result compared
+        result = ("raise", type(error).__name__, str(error))
+    return result, list(connector._sent_hash_counts.items())
+
+
+def test_meta_request_keyed_under_another_id_as_upstream(
+    reverted: pytest.MonkeyPatch, patched_connector: ModuleType
+) -> None:
+    """A requests dict whose key is not the request's own id: 0.33's upstream keys its
+    sent-hash count by ``request.request_id`` inside ``_take_new_hashes`` (KeyError here),
+    0.31/0.32's by the key; the short path must not answer from the key's count."""
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    def run(connector_type: type) -> Any:
+        request = Request("b", [1, 2, 3], SamplingParams(max_tokens=8), None)
+        request.num_computed_tokens = 3
+        request.append_output_token_ids(5)
+        return _meta(_connector(connector_type), {"a": 1}, {"a": request})
+
+    upstream = run(AuxOutputSchedulerConnector)
+    assert run(patched_connector.AuxOutputSchedulerConnector) == upstream
+
+
+def _step(patched_connector: ModuleType) -> Any:
+    outputs = {
+        f"r{i}": patched_connector.AuxRequestOutput(
+            10 * i, np.arange(6 * i, 6 * i + 6, dtype=np.uint16).reshape(3, 2)
+        )
+        for i in range(4)
+    }
+    return patched_connector.PackedAuxOutputs.pack(outputs, np.dtype(np.uint16), (2,))
+
+
+def test_a_step_being_split_reads_whole_from_another_thread(
+    patched_connector: ModuleType,
+) -> None:
+    """Upstream's received dict reads the same from any thread at any time. The split
+    step is mutated by its first lookup; a lookup or a pickle from another thread while
+    that first lookup is finishing its split must see every request's rows. The trace
+    stops the first lookup's thread as ``_split`` returns (deterministic interleaving)."""
+    step = _step(patched_connector)
+    split = type(step)._split.__code__
+    paused, resume = threading.Event(), threading.Event()
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not split:
+            return None
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            if event == "return":
+                paused.set()
+                resume.wait(30)
+            return local
+
+        return local
+
+    def first() -> None:
+        sys.settrace(tracer)
+        try:
+            step.lookup("r0")
+        finally:
+            sys.settrace(None)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert paused.wait(30)
+        found = step.lookup("r2")
+        try:
+            again = pickle.loads(pickle.dumps(step))
+            pickled: Any = [again.lookup(f"r{i}")[1].tolist() for i in range(4)]
+        except Exception as error:  # noqa: BLE001 - compared below
+            pickled = repr(error)
+    finally:
+        resume.set()
+        thread.join(30)
+    assert found is not None and found[0] == 20
+    assert found[1].tolist() == [[12, 13], [14, 15], [16, 17]]
+    assert pickled == [np.arange(6 * i, 6 * i + 6).reshape(3, 2).tolist() for i in range(4)]
+    assert step.lookup("r3") is not None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("diff_pending", "no diff yet, for a reason long enough", "both"),
+        ("diff_in", "batched_take", "itself"),
+    ],
+)
+def test_a_contradictory_diff_record_fails_at_parse_time(
+    field: str, value: str, words: str
+) -> None:
+    """A record both carried by another diff and pending a diff of its own passed every
+    check silently (``registry_mismatch`` counts it in both lists and reports nothing);
+    one carried by its own diff is never linked to one. Both are refused when built."""
+    import dataclasses
+
+    from prime_r3.patches import REGISTRY
+
+    spec = next(s for s in REGISTRY if s.name == "batched_take")
+    assert spec.diff_in == "packed_outputs"
+    with pytest.raises(ValueError, match=rf"batched_take.*{field}.*{words}"):
+        dataclasses.replace(spec, **{field: value})
+
+
+def test_overlay_meta_request_keyed_under_another_id_as_upstream(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """The overlay's batched_meta on the same input as the diff's test above, one step
+    later (the key already has a sent count, so its scan finds the request quiet): the
+    same metadata, connector state or error as upstream (0.33's reads the count under
+    ``request.request_id``)."""
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    import prime_r3
+
+    def run() -> Any:
+        connector = _connector(AuxOutputSchedulerConnector)
+        first = Request("a", [1, 2, 3], SamplingParams(max_tokens=8), None)
+        other = Request("b", [1, 2, 3], SamplingParams(max_tokens=8), None)
+        for request in (first, other):
+            request.num_computed_tokens = 3
+            request.append_output_token_ids(5)
+        other.append_output_token_ids(6)  # past its prompt: the overlay's fast test
+        other.num_computed_tokens = 4
+        return [
+            _meta(connector, {"a": 1}, {"a": first}),
+            _meta(connector, {"a": 1}, {"a": other}),
+        ]
+
+    upstream = run()
+    from prime_r3.fixes import batched_meta
+
+    reverted.setattr(batched_meta, "MIN_BATCH", 1)  # its fast path on a one-request step
+    report = prime_r3.apply(["batched_meta"], log=False)
+    assert [o.state for o in report.outcomes if o.name == "batched_meta"] == ["applied"]
+    assert run() == upstream
+
+
+@pytest.mark.parametrize(
+    "value",
+    [(("0.33.0", ""),), (("0.33.0",),), ("0.33.0",), ((0.33, "not ported"),)],
+)
+def test_a_malformed_per_release_diff_pending_fails_at_parse_time(value: Any) -> None:
+    """``diff_pending`` as ``(release, reason)`` pairs (batched_commit's): a pair with an
+    empty reason, a missing half, a bare string inside the tuple or a release that is
+    not a string would make ``diff_pending_for`` answer wrongly or crash later; refused
+    when the record is built, naming the patch, the value and the valid choices."""
+    import dataclasses
+
+    from prime_r3.patches import REGISTRY
+
+    spec = next(s for s in REGISTRY if s.name == "batched_commit")
+    with pytest.raises(ValueError, match=r"batched_commit.*diff_pending=.*valid choices"):
+        dataclasses.replace(spec, diff_pending=value)

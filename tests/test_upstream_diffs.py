@@ -686,3 +686,9 @@ def test_upstream_form_worker_matches_on_steps_the_workload_never_makes(
     outputs, state = ends["mixed_then_teardown"]
     assert [request_id for request_id, *_ in outputs] == ["a", "c", "b"]
     assert "a" not in state[1]  # torn down by the step that covered it
+    # A one-token request past the step's rows is no plain decode: the loop body slices
+    # nothing for it and the next request's negative count raises, as upstream's does.
+    assert ends["decode_past_rows"][0] == (
+        "AssertionError",
+        "auxiliary output request token count must be positive",
+    )

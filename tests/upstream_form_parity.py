@@ -168,12 +168,22 @@ def crafted(site: Path) -> dict[str, Any]:
     def meta(requests: dict[str, int], finished: tuple[str, ...] = ()) -> Any:
         return AuxOutputConnectorMetadata(0, requests, {}, finished)
 
-    def pending(connector: Any, ids: list[str], starts: list[int], sizes: list[int]) -> Any:
-        total = sum(sizes)
+    def pending(
+        connector: Any,
+        ids: list[str],
+        starts: list[int],
+        sizes: list[int],
+        query_start_loc: list[int] | None = None,
+    ) -> Any:
+        """The step's PendingAuxOutput from the connector's prepare_output; the rows
+        are ``query_start_loc``'s last value (default: the sizes' cumulative sum)."""
+        if query_start_loc is None:
+            query_start_loc = np.concatenate(([0], np.cumsum(sizes))).tolist()
+        total = query_start_loc[-1]
         rows = np.arange(total * 6, dtype=np.uint16).reshape(total, 3, 2)
         batch = harness._InputBatch(
             req_ids=ids,
-            query_start_loc_np=np.concatenate(([0], np.cumsum(sizes))).astype(np.int32),
+            query_start_loc_np=np.array(query_start_loc, np.int32),
             num_computed_tokens_np=np.array(starts, np.int32),
         )
         connector._capturer = harness._Capturer(rows)
@@ -226,6 +236,18 @@ def crafted(site: Path) -> dict[str, Any]:
     both(lambda c: c.begin_step(meta({}, finished=("a",))))
     ends["mixed_then_teardown"] = both(
         lambda c: step["upstream" if c is connections["upstream"] else "patched"].process_output()
+    )
+    for connector in connections.values():
+        connector.close()
+    # A query_start_loc that falls back below a one-token request's end (the model
+    # runner never makes one): upstream slices no rows for that request and raises at
+    # the next one, whose token count is negative, not an IndexError for the row.
+    connections = sides()
+    both(lambda c: c.begin_step(meta({"a": 0, "b": 0, "c": 0})))
+    both(lambda c: pending(c, ["a", "b", "c"], [0, 0, 0], [2, 1, 1]).process_output())
+    both(lambda c: c.begin_step(meta({"a": 2, "b": 1, "c": 1})))
+    ends["decode_past_rows"] = both(
+        lambda c: pending(c, ["a", "b", "c"], [2, 1, 1], [], [0, 2, 3, 2]).process_output()
     )
     for connector in connections.values():
         connector.close()

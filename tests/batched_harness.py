@@ -26,8 +26,9 @@ same worker state, buffer and store behind.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from types import MethodType
 from typing import Any
@@ -65,6 +66,15 @@ def _upstream_take_output() -> Any:
 # The reference side's consumer: upstream's take_output, whatever is patched on the class
 # (it reads nothing from self). The patched side calls the live class attribute.
 TAKE = MethodType(_upstream_take_output(), object.__new__(AuxOutputSchedulerConnector))
+
+#: vLLM 0.33's metadata also carries the block hashes the scheduler connector retains
+#: (a finished request's blocks the GPU prefix cache holds) and releases (past its
+#: capacity, and all of them at a prefix-cache reset): begin_step retains/releases
+#: their keys in the namespace it is in. The scheduler model sends them where the
+#: release has the fields (``Episode._retain_blocks``), so that path runs too.
+KV_RETENTION = "retained_block_hashes" in {
+    f.name for f in dataclasses.fields(AuxOutputConnectorMetadata)
+}
 
 #: What carries each side's step output to EngineCore before ``take_output``: None is
 #: the worker's object itself (uniproc executor); tests set the real MessageQueue hop.
@@ -376,6 +386,14 @@ class Episode:
         #: Which of the cases the workload reached (the test asserts every one is hit).
         self.seen: Counter[str] = Counter()
         self.dead: tuple[str, str] | None = None
+        # 0.33's retained/released block hashes (KV_RETENTION), drawn from a stream of
+        # their own so the rest of the workload is the seed's on every release.
+        self.kv_rng = np.random.default_rng([seed, 33])
+        self.kv_capacity = int(self.kv_rng.integers(2, 2 * shape.max_num_seqs))
+        self.kv_cached: OrderedDict[bytes, None] = OrderedDict()
+        self.retained: list[bytes] = []
+        self.released: list[bytes] = []
+        self.sent_generation = 0
 
     # -- requests ------------------------------------------------------------------
 
@@ -405,11 +423,31 @@ class Episode:
         if not request.running:
             return
         request.running = False
+        self._retain_blocks(request)
         new = request.hashes[request.sent_hashes :]
         self.finished_events[request.request_id] = (
             PackedBlockHashes(b"".join(new), 8) if new else None
         )
         request.sent_hashes = 0
+
+    def _retain_blocks(self, request: Req) -> None:
+        """0.33's request_finished: the request's computed blocks the GPU prefix cache
+        holds (here: each with probability 0.7) are retained, once; past the capacity the
+        oldest that are no longer GPU-cached are released."""
+        if not KV_RETENTION:
+            return
+        rng = self.kv_rng
+        num_blocks = min(request.num_computed // self.shape.block, len(request.hashes))
+        for block_hash in request.hashes[:num_blocks]:
+            if block_hash not in self.kv_cached and rng.random() < 0.7:
+                self.kv_cached[block_hash] = None
+                self.retained.append(block_hash)
+        excess = len(self.kv_cached) - self.kv_capacity
+        if excess > 0:
+            victims = [h for h in self.kv_cached if rng.random() < 0.8][:excess]
+            for block_hash in victims:
+                del self.kv_cached[block_hash]
+            self.released.extend(victims)
 
     # -- one engine step -----------------------------------------------------------
 
@@ -518,7 +556,16 @@ class Episode:
             if packed is not None:
                 hashes[request_id] = packed
         self.finished_events = {}
-        metadata = AuxOutputConnectorMetadata(self.generation, scheduled, hashes, finished)
+        kv: dict[str, Any] = {}
+        if KV_RETENTION:
+            for name, sent in (("retained", self.retained), ("released", self.released)):
+                kv[f"{name}_block_hashes"] = PackedBlockHashes(b"".join(sent), 8) if sent else None
+                self.seen[f"{name}_block_hashes"] += len(sent)
+            if self.generation != self.sent_generation:
+                self.seen["released_at_generation_change"] += len(self.released)
+            self.retained, self.released = [], []
+        self.sent_generation = self.generation
+        metadata = AuxOutputConnectorMetadata(self.generation, scheduled, hashes, finished, **kv)
         if DECLARE_PACKED_READER:
             # What EngineCore's packed_outputs wrapper of build_connector_meta adds (the
             # handshake): workers may send packed steps. Upstream ignores the attribute.
@@ -536,6 +583,10 @@ class Episode:
         self.finished_events.clear()
         for request in self.waiting:
             request.sent_hashes = 0
+        # 0.33's connector reset: every retained block is released (the worker takes
+        # these keys in the namespace it leaves).
+        self.released.extend(self.kv_cached)
+        self.kv_cached.clear()
         self.generation += 1
 
     #: Build each step's PendingAuxOutput with the connector's own ``prepare_output``

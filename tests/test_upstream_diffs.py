@@ -3,11 +3,11 @@
 What each release expects (``EXPECTED``): 0.31.0 and 0.32.0 carry one diff per registry
 patch that has one (the six fixes, batched_commit and batched_begin, whose diffs hold
 the output worker's request state in arrays, and batched_meta); 0.33.0 carries
-engine_gc, packed_outputs, batched_meta and store_arena, because the other store
-patches are fixed upstream there (the registry says so, and a test ties the two), and
-batched_commit/batched_begin are not ported to its worker.py yet (their records say so
-for 0.33.0 only). batched_take has no diff of its own: packed_outputs' diff carries its
-upstream form (``CARRIED``, the record's ``diff_in``).
+engine_gc, packed_outputs, batched_commit, batched_begin, batched_meta and store_arena,
+because the other store patches are fixed upstream there (the registry says so, and a
+test ties the two). No patch is pending a diff today (``PENDING``; a record's
+``diff_pending`` would say why). batched_take has no diff of its own: packed_outputs'
+diff carries its upstream form (``CARRIED``, the record's ``diff_in``).
 
 The parity tests build one patched copy of the installed ``vllm`` package per session
 (hard links, patched files copied; ``scripts/patches.py apply``), then run
@@ -19,6 +19,7 @@ parity harnesses; here the two runs must agree.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import pickle
@@ -48,7 +49,14 @@ ALL = [
 EXPECTED = {
     "0.31.0": ALL,
     "0.32.0": ALL,
-    "0.33.0": ["engine_gc", "packed_outputs", "batched_meta", "store_arena"],
+    "0.33.0": [
+        "engine_gc",
+        "packed_outputs",
+        "batched_commit",
+        "batched_begin",
+        "batched_meta",
+        "store_arena",
+    ],
 }
 SCENARIO_TIMEOUT = 900
 
@@ -95,11 +103,11 @@ def test_one_diff_per_applicable_registry_patch(release: str) -> None:
 
 
 #: Registry patches with no diff yet, per release (their record's ``diff_pending`` says
-#: why): batched_commit/batched_begin have theirs on 0.31.0 and 0.32.0 only.
-PENDING = {
+#: why): none today (batched_commit/batched_begin were pending on 0.33.0 until ported).
+PENDING: dict[str, list[str]] = {
     "0.31.0": [],
     "0.32.0": [],
-    "0.33.0": ["batched_commit", "batched_begin"],
+    "0.33.0": [],
 }
 #: Registry patches whose upstream form is part of another patch's diff (``diff_in``).
 CARRIED = {"batched_take": "packed_outputs"}
@@ -147,15 +155,28 @@ def test_a_diff_for_a_carried_patch_or_a_missing_carrier_is_reported(tmp_path: P
     ]
 
 
-def test_a_diff_pending_for_one_release_only_is_reported_there(tmp_path: Path) -> None:
-    """batched_commit's record is pending for 0.33.0 only: a diff there is reported."""
-    series_dir = tmp_path / "vllm-0.33.0"
-    shutil.copytree(ROOT / "patches/vllm-0.33.0", series_dir)
-    shutil.copy(series_dir / "02-packed_outputs.patch", series_dir / "06-batched_commit.patch")
-    problems = patches.registry_mismatch("0.33.0", patches.series("0.33.0", tmp_path))
-    assert len(problems) == 1
-    assert problems[0].startswith("diff 06-batched_commit.patch exists but the registry says")
-    assert "0.33.0" in problems[0]
+def test_a_diff_pending_for_one_release_only_is_reported_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A record pending for one release (``(release, reason)`` pairs, as batched_commit's
+    was for 0.33.0 before its port): that release's diff is reported, the others' not."""
+    import prime_r3.patches
+
+    reason = "its upstream form is not ported to 0.33.0 yet (a test's record)"
+    registry = tuple(
+        dataclasses.replace(spec, diff_pending=(("0.33.0", reason),))
+        if spec.name == "batched_commit"
+        else spec
+        for spec in REGISTRY
+    )
+    monkeypatch.setattr(prime_r3.patches, "REGISTRY", registry)
+    assert patches.registry_pending("0.33.0") == {"batched_commit": reason}
+    assert patches.registry_pending("0.32.0") == {}
+    problems = patches.registry_mismatch("0.33.0", patches.series("0.33.0"))
+    assert problems == [
+        f"diff 06-batched_commit.patch exists but the registry says it has none yet: {reason}"
+    ]
+    assert patches.registry_mismatch("0.32.0", patches.series("0.32.0")) == []
 
 
 def test_store_patches_are_fixed_upstream_in_033() -> None:
@@ -665,6 +686,13 @@ def test_upstream_form_worker_matches_the_installed_one(
     assert steps > 200 * 300 // 2 and sum(run["checks"] for run in ci) > steps
     seen = {case: sum(run["seen"].get(case, 0) for run in ci) for case in CASES}
     assert all(seen.values()), seen
+    # 0.33's begin_step retains and releases the keys of the block hashes its metadata
+    # carries (in the namespace it leaves, at a generation change): the scheduler model
+    # sends them there, and only there (older metadata has no such fields).
+    kv_cases = ("retained_block_hashes", "released_block_hashes", "released_at_generation_change")
+    for run in [*ci, upstream_form["small"]]:
+        kv = [run["seen"].get(case, 0) for case in kv_cases]
+        assert all(kv) if RELEASE == "0.33.0" else not any(kv), (RELEASE, kv)
     # The dry pools end episodes on upstream's error, raised alike on both sides.
     small = upstream_form["small"]
     assert small["episodes"] == 8 * 12

@@ -164,13 +164,6 @@ SPEC = PatchSpec(
         # We copy it with dataclasses.replace (0.33 adds two fields; kept as they are).
         Anchor(_CONNECTOR, "AuxOutputConnectorMetadata", _METADATA),
     ),
-    # patches/vllm-0.3{1,2}.0/07-batched_begin.patch: the check over the array-held
+    # patches/vllm-0.3{1,2,3}.0/07-batched_begin.patch: the check over the array-held
     # request state of 06-batched_commit, in begin_step itself.
-    diff_pending=(
-        (
-            "0.33.0",
-            "its upstream form (07-batched_begin on 0.31.0/0.32.0, on top of "
-            "06-batched_commit's array-held state) is not ported to 0.33.0 yet",
-        ),
-    ),
 )

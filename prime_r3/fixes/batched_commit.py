@@ -1130,13 +1130,6 @@ SPEC = PatchSpec(
             TAKE_OUTPUT,
         ),
     ),
-    # patches/vllm-0.3{1,2}.0/06-batched_commit.patch: array-held request state in
+    # patches/vllm-0.3{1,2,3}.0/06-batched_commit.patch: array-held request state in
     # _commit_output itself (issue 10's worker side), not this fast path beside it.
-    diff_pending=(
-        (
-            "0.33.0",
-            "its upstream form (06-batched_commit on 0.31.0/0.32.0) is not ported to "
-            "0.33.0's worker.py yet, whose begin_step retains and releases block hashes",
-        ),
-    ),
 )

@@ -53,6 +53,23 @@ WORKER = "vllm.distributed.aux_output_connector.worker"
 CONNECTOR = "vllm.distributed.aux_output_connector.connector"
 
 
+#: The cases an episode counts in ``Episode.seen`` that a differential run must reach
+#: (tests/test_batched_commit.py, and the upstream-form run in test_upstream_diffs.py).
+CASES = (
+    "decode",
+    "chunked_prefill",
+    "rejected_suffix",
+    "capture_reattach",
+    "preempt",
+    "prefix_hit",
+    "emit_from_store_or_buffer",
+    "generation_change",
+    "finished_in_flight",
+    "prompt_start",
+    "two_in_flight",
+)
+
+
 def _upstream_take_output() -> Any:
     """Upstream's ``take_output`` (the original the layer saved, if batched_take wraps it)."""
     try:

@@ -35,19 +35,7 @@ from tests import batched_harness as harness  # noqa: E402
 SEEDS = 200
 STEPS = 300
 CHUNKS = 8
-CASES = (
-    "decode",
-    "chunked_prefill",
-    "rejected_suffix",
-    "capture_reattach",
-    "preempt",
-    "prefix_hit",
-    "emit_from_store_or_buffer",
-    "generation_change",
-    "finished_in_flight",
-    "prompt_start",
-    "two_in_flight",
-)
+CASES = harness.CASES
 
 
 def _shape(seed: int) -> harness.Shape:

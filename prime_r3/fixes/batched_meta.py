@@ -46,8 +46,10 @@ unscheduled, then finished) is already the whole step's.
 
 Upstream's whole, untouched call handles any step we do not cover: not plain dicts, a
 connector subclass or instance overriding the hash helpers, a scheduled id missing from
-``requests``, ``sampling_params`` None or a hash history that shrank (upstream raises
-its own error with its own effects), or a step of fewer than ``MIN_BATCH`` requests.
+``requests`` (on 0.33 also one whose ``request.request_id`` differs from its key: upstream
+reads the sent count under the request's own id), ``sampling_params`` None or a hash
+history that shrank (upstream raises its own error with its own effects), or a step of
+fewer than ``MIN_BATCH`` requests.
 
 The prompt start's type is checked on every release (an ``int``, as ``SamplingParams``
 declares it): anything else (``None``, a float) goes to upstream, whose ``min``/``max``

@@ -35,6 +35,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PATCHES = ROOT / "patches"
@@ -126,53 +127,41 @@ def series(release: str, patches_dir: Path = PATCHES) -> list[Diff]:
     return diffs
 
 
-def registry_names(release: str) -> list[str]:
-    """Registry patches that apply to ``release`` (in range, not fixed upstream), in order."""
+def _applicable(release: str) -> list[Any]:
+    """The registry's records that apply to ``release`` (in range, not fixed upstream),
+    in registry order; the registry is imported from this checkout."""
     sys.path.insert(0, str(ROOT))
     try:
         from prime_r3.guards import check_version
         from prime_r3.patches import REGISTRY
     finally:
         sys.path.remove(str(ROOT))
+    return [spec for spec in REGISTRY if check_version(spec, release) is None]
+
+
+def registry_names(release: str) -> list[str]:
+    """Registry patches that apply to ``release`` and have a diff of their own, in order."""
     return [
         spec.name
-        for spec in REGISTRY
-        if check_version(spec, release) is None
-        and not spec.diff_pending_for(release)
-        and not spec.diff_in
+        for spec in _applicable(release)
+        if not spec.diff_pending_for(release) and not spec.diff_in
     ]
 
 
 def registry_pending(release: str) -> dict[str, str]:
     """Registry patches that apply to ``release`` but have no diff yet, and why (the
     record's ``diff_pending``): the overlay carries them alone for now."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        from prime_r3.guards import check_version
-        from prime_r3.patches import REGISTRY
-    finally:
-        sys.path.remove(str(ROOT))
     return {
         spec.name: spec.diff_pending_for(release)
-        for spec in REGISTRY
-        if check_version(spec, release) is None and spec.diff_pending_for(release)
+        for spec in _applicable(release)
+        if spec.diff_pending_for(release)
     }
 
 
 def registry_carried(release: str) -> dict[str, str]:
     """Registry patches that apply to ``release`` and whose upstream form is part of
     another patch's diff (the record's ``diff_in``): name -> that patch's name."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        from prime_r3.guards import check_version
-        from prime_r3.patches import REGISTRY
-    finally:
-        sys.path.remove(str(ROOT))
-    return {
-        spec.name: spec.diff_in
-        for spec in REGISTRY
-        if check_version(spec, release) is None and spec.diff_in
-    }
+    return {spec.name: spec.diff_in for spec in _applicable(release) if spec.diff_in}
 
 
 def registry_mismatch(release: str, diffs: Sequence[Diff]) -> list[str]:

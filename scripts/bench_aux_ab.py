@@ -87,27 +87,39 @@ def _child(
     With ``vllm_tree`` (a directory holding a ``vllm/`` package, e.g. one built by
     ``scripts/patches.py apply --out``) that tree goes first, and the row's ``vllm``
     must be its package; without it, the row's ``vllm`` must be the installed one."""
-    env = dict(os.environ)
-    front = [vllm_tree, path] if vllm_tree else [path]
-    env["PYTHONPATH"] = os.pathsep.join([*front, *filter(None, [env.get("PYTHONPATH")])])
     out = subprocess.run(
         [sys.executable, script, *argv],
         check=True,
         capture_output=True,
         text=True,
-        env=env,
+        env=child_env(path, vllm_tree),
         cwd=path,
     ).stdout
     row = json.loads(out.strip().splitlines()[-1])
     expected = Path(path).resolve() / "prime_r3"
     if Path(row["package"]) != expected:
         raise RuntimeError(f"{arm} arm imported {row['package']}, not {expected}")
-    vllm = Path(row["vllm"])
-    if vllm_tree is not None and vllm != Path(vllm_tree).absolute() / "vllm":
-        raise RuntimeError(f"{arm} arm imported vllm from {vllm}, not the tree {vllm_tree}")
-    if vllm_tree is None and vllm.parent != Path(_installed_vllm()).parent:
-        raise RuntimeError(f"{arm} arm imported vllm from {vllm}, not the installed one")
+    check_vllm(arm, row["vllm"], vllm_tree)
     return row
+
+
+def child_env(path: str, vllm_tree: str | None = None) -> dict[str, str]:
+    """This environment with ``path`` (and before it ``vllm_tree``, if any) first on
+    ``PYTHONPATH``: what an arm's fresh interpreter imports prime_r3 and vllm from."""
+    env = dict(os.environ)
+    front = [vllm_tree, path] if vllm_tree else [path]
+    env["PYTHONPATH"] = os.pathsep.join([*front, *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def check_vllm(arm: str, vllm: str, vllm_tree: str | None) -> None:
+    """Raise unless an arm's ``vllm`` package is ``vllm_tree``'s (when given) or else
+    this interpreter's installed one: an arm that imported another measured nothing."""
+    found = Path(vllm)
+    if vllm_tree is not None and found != Path(vllm_tree).absolute() / "vllm":
+        raise RuntimeError(f"{arm} arm imported vllm from {found}, not the tree {vllm_tree}")
+    if vllm_tree is None and found.parent != Path(_installed_vllm()).parent:
+        raise RuntimeError(f"{arm} arm imported vllm from {found}, not the installed one")
 
 
 def _installed_vllm() -> str:

@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_aux_ab import check_vllm, child_env  # noqa: E402 - shared with it
+
 import patches as upstream_diffs  # noqa: E402 - scripts/patches.py
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,15 +57,15 @@ def _child(n: int, steps: int, warmup: int, out: str) -> None:
         pickle.dump(keep, handle)
 
 
-def _run(args: argparse.Namespace, out: str, tree: str | None) -> dict[str, Any]:
-    env = dict(os.environ)
-    front = [tree, str(ROOT)] if tree else [str(ROOT)]
-    env["PYTHONPATH"] = os.pathsep.join([*front, *filter(None, [env.get("PYTHONPATH")])])
+def _run(args: argparse.Namespace, arm: str, out: str, tree: str | None) -> dict[str, Any]:
     argv = ["--child", out, "-n", str(args.n), "--steps", str(args.steps)]
     argv += ["--warmup", str(args.warmup)]
+    env = child_env(str(ROOT), tree)
     subprocess.run([sys.executable, __file__, *argv], check=True, env=env, cwd=ROOT)
     with open(out, "rb") as handle:
-        return pickle.load(handle)
+        result = pickle.load(handle)
+    check_vllm(arm, result["vllm"], tree)
+    return result
 
 
 def main() -> None:
@@ -82,12 +84,8 @@ def main() -> None:
     diffs = [d.path.name for d in upstream_diffs.series(release)]
     with tempfile.TemporaryDirectory(prefix="prime_r3_tree_parity_") as tmp:
         tree = str(upstream_diffs.apply(site, release, Path(tmp) / "tree"))
-        upstream = _run(args, str(Path(tmp) / "upstream.pickle"), None)
-        patched = _run(args, str(Path(tmp) / "diffs.pickle"), tree)
-    if Path(patched["vllm"]) != Path(tree).absolute() / "vllm":
-        raise RuntimeError(f"the diffs run imported vllm from {patched['vllm']}, not {tree}")
-    if Path(upstream["vllm"]).parent != site.absolute():
-        raise RuntimeError(f"the upstream run imported vllm from {upstream['vllm']}")
+        upstream = _run(args, "upstream", str(Path(tmp) / "upstream.pickle"), None)
+        patched = _run(args, "diffs", str(Path(tmp) / "diffs.pickle"), tree)
     found = parity.compare(upstream, patched, ("upstream", "diffs"))
     print(f"vLLM {release}, N={args.n}, {args.steps} steps after {args.warmup}")
     print(f"diffs: {', '.join(diffs)}")

@@ -129,13 +129,12 @@ def _installed_vllm() -> str:
     return str(Path(spec.origin).parent.absolute())
 
 
-def _export(ref: str, into: str) -> None:
-    """``prime_r3/`` as of ``ref`` into ``into``."""
+def _export(ref: str, into: str, path: str = "prime_r3") -> None:
+    """``path`` (``prime_r3/`` by default) as of ``ref`` into ``into``."""
+    Path(into).mkdir(parents=True, exist_ok=True)
     archive = Path(into) / "src.tar"
     with archive.open("wb") as handle:
-        subprocess.run(
-            ["git", "-C", str(ROOT), "archive", ref, "prime_r3"], check=True, stdout=handle
-        )
+        subprocess.run(["git", "-C", str(ROOT), "archive", ref, path], check=True, stdout=handle)
     with tarfile.open(archive) as tar:
         tar.extractall(into, filter="data")
 

@@ -1,8 +1,9 @@
 """R3's whole engine-step cost with two prime_r3 versions, or with the upstream-form diffs,
 against R3 off, in one run.
 
-    .venv/bin/python scripts/bench_step_ab.py [--before REF] [--tree] [-n 400,1000]
-                                              [--rounds 5] [--steps 250] [--warmup 150]
+    .venv/bin/python scripts/bench_step_ab.py [--before REF] [--tree] [--tree-before REF]
+                                              [-n 400,1000] [--rounds 5] [--steps 250]
+                                              [--warmup 150]
 
 Issue 10's first target is the engine CPU per step with R3 on and prime_r3 against R3
 off (``prime-r3 bench``'s ``x off``). ``prime-r3 bench`` measures one version; a change
@@ -25,6 +26,10 @@ by the bench's own ``report.summarize``:
   ``PYTHONPATH``). The overlay still applies every patch whose targets the diffs left
   unchanged; one whose upstream the diffs rewrote is skipped by its own guards. Each
   arm's applied patches are printed, so it is plain which code ran.
+* ``tree_before`` (with ``--tree-before REF``): the same, on a vLLM patched with the
+  diffs of git revision REF (its ``patches/``, exported with ``git archive`` and applied by this
+  checkout's ``scripts/patches.py``), so a change to the diffs is judged against the
+  diffs before it in the same rounds (``tree/tree_before``).
 
 Round k runs the arms rotated by k, so no arm always runs first or last. Printed per
 N: medians over rounds of ``engine_cpu_ms`` (the bench's ``cpu ms``) and its ``sched`` /
@@ -66,6 +71,11 @@ def main() -> None:
     parser.add_argument(
         "--tree", action="store_true", help="add the 'tree' arm (vLLM patched with patches/)"
     )
+    parser.add_argument(
+        "--tree-before",
+        metavar="REF",
+        help="add the 'tree_before' arm (vLLM patched with REF's patches/); implies --tree",
+    )
     parser.add_argument("-n", default="400", help="comma list of concurrencies")
     parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--warmup", type=int, default=150)
@@ -76,11 +86,18 @@ def main() -> None:
         row = _arm(int(args.n), args.steps, args.warmup, COLUMNS, r3=args.arm == "on")
         print(json.dumps(row))
         return
+    args.tree = args.tree or bool(args.tree_before)
     if not args.before and not args.tree:
         parser.error("give --before REF, --tree, or both (the arms to compare with 'after')")
-    arms = ("off", *(("before",) if args.before else ()), "after", *(("tree",) * args.tree))
+    arms = (
+        "off",
+        *(("before",) if args.before else ()),
+        "after",
+        *(("tree",) * args.tree),
+        *(("tree_before",) if args.tree_before else ()),
+    )
     with tempfile.TemporaryDirectory(prefix="prime_r3_step_ab_") as tmp:
-        paths = {"off": str(ROOT), "after": str(ROOT), "tree": str(ROOT)}
+        paths = dict.fromkeys(("off", "after", "tree", "tree_before"), str(ROOT))
         trees: dict[str, str | None] = dict.fromkeys(arms)
         if args.before:
             paths["before"] = str(Path(tmp) / "before")
@@ -90,6 +107,13 @@ def main() -> None:
             diffs = [d.path.name for d in upstream_diffs.series(release)]
             trees["tree"] = str(upstream_diffs.apply(site, release, Path(tmp) / "tree"))
             print(f"tree: vLLM {release} + {', '.join(diffs)}", flush=True)
+        if args.tree_before:
+            _export(args.tree_before, str(Path(tmp) / "before_patches"), "patches")
+            old = Path(tmp) / "before_patches" / "patches"
+            diffs = [d.path.name for d in upstream_diffs.series(release, old)]
+            out = Path(tmp) / "tree_before"
+            trees["tree_before"] = str(upstream_diffs.apply(site, release, out, old))
+            print(f"tree_before: vLLM {release} + {args.tree_before}'s {', '.join(diffs)}")
         for n in [int(x) for x in args.n.split(",")]:
             results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
             for round_ in range(args.rounds):
@@ -114,13 +138,17 @@ def _print(
         f"{args.warmup}, ms per step; after = this checkout"
         + (f", before = {args.before}" if args.before else "")
         + (", tree = after on vLLM + patches/" if args.tree else "")
+        + (f", tree_before = after on {args.tree_before}'s patches/" if args.tree_before else "")
     )
-    print(f"{'arm':>8} " + " ".join(f"{c[:-3]:>12}" for c in COLUMNS))
+    print(f"{'arm':>11} " + " ".join(f"{c[:-3]:>12}" for c in COLUMNS))
     for arm in arms:
         row = " ".join(f"{statistics.median(r[c] for r in results[arm]):>12.3f}" for c in COLUMNS)
-        print(f"{arm:>8} {row}")
+        print(f"{arm:>11} {row}")
     pairs = [(arm, "off") for arm in arms if arm != "off"]
-    pairs += [(top, bottom) for top, bottom in (("after", "before"), ("tree", "after"))]
+    pairs += [
+        (top, bottom)
+        for top, bottom in (("after", "before"), ("tree", "after"), ("tree", "tree_before"))
+    ]
     for top, bottom in pairs:
         if top not in results or bottom not in results:
             continue

@@ -181,7 +181,11 @@ def _record_store_calls(store: Any) -> None:
     put, get = store.put, store.get_concatenated
 
     def recording_put(objects: Any, **kwargs: Any) -> Any:
-        objects = list(objects)
+        # The objects as (key, bytes): a list of BlockObjects, or the upstream-form
+        # diff's BlockObjectBatch (keys and one buffer, iterating yields its
+        # BlockObjects), which the store then gets as it is, to take its batch path.
+        if not hasattr(objects, "keys"):
+            objects = list(objects)
         log.append(
             (
                 "put",

@@ -709,3 +709,11 @@ def test_upstream_form_worker_matches_on_steps_the_workload_never_makes(
         "AssertionError",
         "auxiliary output request token count must be positive",
     )
+    # Decode blocks completed before their keys: every third request had its key and
+    # published the block; the others hold one block each until the next begin_step.
+    outputs, state = ends["decode_7"]
+    assert len(outputs) == 48
+    held = {request_id: len(fields[1]) for request_id, fields in state[1].items()}
+    assert held == {f"r{index}": int(index % 3 != 0) for index in range(48)}
+    _, state = ends["keys_after_blocks"]
+    assert not any(fields[1] for fields in state[1].values())

@@ -201,6 +201,9 @@ def crafted(site: Path) -> dict[str, Any]:
                 result = harness.error_of(error)
             found[name] = (result, harness.worker_state(connector))
         assert found["upstream"] == found["patched"], found
+        stores = [connector for connector in connections.values()]
+        assert harness.store_calls(stores[0]) == harness.store_calls(stores[1])
+        assert harness.store_state(stores[0]) == harness.store_state(stores[1])
         return found["patched"]
 
     ends: dict[str, Any] = {}
@@ -248,6 +251,33 @@ def crafted(site: Path) -> dict[str, Any]:
     both(lambda c: c.begin_step(meta({"a": 2, "b": 1, "c": 1})))
     ends["decode_past_rows"] = both(
         lambda c: pending(c, ["a", "b", "c"], [2, 1, 1], [], [0, 2, 3, 2]).process_output()
+    )
+    for connector in connections.values():
+        connector.close()
+    # Decode runs completing blocks whose keys have not arrived (they wait for them,
+    # held by the buffer, between requests whose keyed blocks are published from their
+    # slots) until a later begin_step brings them; and one decode run opening more new
+    # tails than the buffer has tail rows (its tail arrays grow).
+    from vllm.distributed.aux_output_connector.connector import PackedBlockHashes
+
+    def hashes(ids: list[str], number: int) -> dict[str, Any]:
+        return {i: PackedBlockHashes(f"{i:>6}{number:02}".encode(), 8) for i in ids}
+
+    connections = sides()
+    ids = [f"r{index}" for index in range(2 * shape.max_num_seqs)]
+    both(lambda c: c.begin_step(AuxOutputConnectorMetadata(0, dict.fromkeys(ids, 0), {}, ())))
+    both(lambda c: pending(c, ids, [0] * len(ids), [4] * len(ids)).process_output())
+    both(lambda c: c.begin_step(AuxOutputConnectorMetadata(0, {}, hashes(ids, 0), ())))
+    for token in range(4, 8):
+        both(lambda c, t=token: c.begin_step(meta(dict.fromkeys(ids, t))))
+        if token == 7:  # the keys of block 1 for every third request only
+            both(lambda c: c.begin_step(AuxOutputConnectorMetadata(0, {}, hashes(ids[::3], 1), ())))
+        ends[f"decode_{token}"] = both(
+            lambda c, t=token: pending(c, ids, [t] * len(ids), [1] * len(ids)).process_output()
+        )
+    waiting = [i for i in ids if i not in ids[::3]]
+    ends["keys_after_blocks"] = both(
+        lambda c: c.begin_step(AuxOutputConnectorMetadata(0, {}, hashes(waiting, 1), ()))
     )
     for connector in connections.values():
         connector.close()

@@ -16,6 +16,13 @@ and compares every request's rows with the bench's own ``parity.compare`` (finis
 requests whole, requests in flight on the rows received so far; it raises on the first
 difference). Printed like the bench's parity line, with preempted and prefix-hit
 requests counted, so it is plain the window went through both.
+
+The diffs carry no counters (upstream code has none), so the ``diffs`` child counts
+where 06-batched_commit's commits went, with pass-through wrappers around two of the
+patched worker's methods: every request ``_commit_output`` commits, and those a run of
+plain decodes took (``_commit_decodes``, the array path); the rest ran upstream's loop
+body (first captures, prompts, rejected suffixes, rewinds, emits from the store, ...).
+Counted over the whole run, warm-up included.
 """
 
 from __future__ import annotations
@@ -48,13 +55,42 @@ def _child(n: int, steps: int, warmup: int, out: str) -> None:
     from prime_r3.bench.workload import BenchConfig
 
     arms._settle_imports()
+    counts = _count_commits() if hasattr(_worker_class(), "_commit_decodes") else None
     result = loop.run(BenchConfig(concurrency=n, steps=steps, warmup=warmup), True)
     if result["error"]:
         raise RuntimeError(result["error"])
     keep = {k: result[k] for k in ("digests", "in_flight", "flags")}
     keep["vllm"] = str(Path(vllm.__file__).parent.absolute())
+    keep["commits"] = counts
     with open(out, "wb") as handle:
         pickle.dump(keep, handle)
+
+
+def _worker_class() -> Any:
+    from vllm.distributed.aux_output_connector import worker
+
+    return worker.AuxOutputWorkerConnector
+
+
+def _count_commits() -> dict[str, int]:
+    """Count the requests the patched worker commits, and those on its array path."""
+    cls = _worker_class()
+    counts = {"requests": 0, "array_path": 0, "steps": 0}
+    commit_output, commit_decodes = cls._commit_output, cls._commit_decodes
+
+    def counted_output(self: Any, pending: Any) -> Any:
+        counts["steps"] += 1
+        counts["requests"] += len(pending.request_ids)
+        return commit_output(self, pending)
+
+    def counted_decodes(
+        self: Any, pending: Any, experts: Any, begin: int, end: int, *a: Any
+    ) -> Any:
+        counts["array_path"] += end - begin
+        return commit_decodes(self, pending, experts, begin, end, *a)
+
+    cls._commit_output, cls._commit_decodes = counted_output, counted_decodes
+    return counts
 
 
 def _run(args: argparse.Namespace, arm: str, out: str, tree: str | None) -> dict[str, Any]:
@@ -94,6 +130,14 @@ def main() -> None:
         f"{found['in_flight_requests']} in flight / {found['rows']} rows identical "
         f"({found['preempted_requests']} preempted, {found['prefix_hit_requests']} prefix-hit)"
     )
+    commits = patched["commits"]
+    if commits is not None:
+        loop_body = commits["requests"] - commits["array_path"]
+        print(
+            f"06 commits over {commits['steps']} steps: {commits['requests']} requests, "
+            f"{commits['array_path']} on the array path, {loop_body} through upstream's "
+            f"loop body ({loop_body / max(commits['requests'], 1):.2%})"
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Review findings on the upstream-form diffs (02's split take, 09's short path).
+"""Review findings on the upstream-form diffs (02's split take, 09's short path, 06's
+block batches).
 
-Each test drives the patched ``connector.py`` of the installed release (built with
+Each test drives the patched ``connector.py`` or ``store.py`` of the installed release (built with
 ``scripts/patches.py apply``, loaded as a module of its own) against the installed
 upstream, on inputs the scenarios in ``tests/diffs_scenarios.py`` do not reach. Every
 release expects the same thing: the diff behaves as the installed upstream does.
@@ -23,19 +24,54 @@ import pytest
 from tests.test_upstream_diffs import RELEASE, SITE, patches
 
 CONNECTOR = "vllm/distributed/aux_output_connector/connector.py"
+STORE = "vllm/distributed/aux_output_connector/store.py"
 
 
 @pytest.fixture(scope="module")
-def patched_connector(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
-    """The release's connector.py with its diffs applied, as a module of its own."""
-    tree = patches.apply(SITE, RELEASE, tmp_path_factory.mktemp("review_vllm"))
-    name = "review_patched_connector"
-    spec = importlib.util.spec_from_file_location(name, Path(tree) / CONNECTOR)
+def patched_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(patches.apply(SITE, RELEASE, tmp_path_factory.mktemp("review_vllm")))
+
+
+def _patched_module(tree: Path, path: str, name: str) -> ModuleType:
+    """One file of the patched tree as a module of its own."""
+    spec = importlib.util.spec_from_file_location(name, tree / path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def patched_connector(patched_tree: Path) -> ModuleType:
+    """The release's connector.py with its diffs applied, as a module of its own."""
+    return _patched_module(patched_tree, CONNECTOR, "review_patched_connector")
+
+
+@pytest.fixture(scope="module")
+def patched_store(patched_tree: Path) -> ModuleType:
+    """The release's store.py with its diffs applied, as a module of its own."""
+    return _patched_module(patched_tree, STORE, "review_patched_store")
+
+
+def test_an_empty_block_batch_puts_as_an_empty_list(patched_store: ModuleType) -> None:
+    """06's BlockObjectBatch of no objects over a (0, n) buffer (what an empty gather of
+    the block buffer is): put with a release does what upstream's put of an empty list
+    does, and the batch iterates as nothing. A memoryview with a zero in its shape
+    cannot be cast, which raised after the release had been applied."""
+    from vllm.distributed.aux_output_connector.store import BlockObjectStore
+
+    empty = patched_store.BlockObjectBatch([], memoryview(np.empty((0, 8), np.uint8)))
+    assert list(empty) == []
+    found = []
+    for store, objects in (
+        (BlockObjectStore(max_bytes=64, object_nbytes=8), []),
+        (patched_store.BlockObjectStore(max_bytes=64, object_nbytes=8), empty),
+    ):
+        store.put([], retain_keys=["a", "a"])
+        store.put(objects, release_keys=["a"])
+        found.append(dict(store._references))
+    assert found == [{"a": 1}, {"a": 1}]
 
 
 def _connector(connector_type: type) -> Any:

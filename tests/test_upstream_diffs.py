@@ -717,3 +717,8 @@ def test_upstream_form_worker_matches_on_steps_the_workload_never_makes(
     assert held == {f"r{index}": int(index % 3 != 0) for index in range(48)}
     _, state = ends["keys_after_blocks"]
     assert not any(fields[1] for fields in state[1].values())
+    # A block whose key came with a begin_step that then raised is published by the next
+    # commit's visit to its request (a plain one-token decode), as upstream's loop does.
+    assert len(ends["block_before_key"][1][1]["a"][1]) == 1
+    assert ends["raising_begin"][0] == ("KeyError", "'zz'")
+    assert not ends["visit_after_raise"][1][1]["a"][1]

@@ -281,6 +281,25 @@ def crafted(site: Path) -> dict[str, Any]:
     )
     for connector in connections.values():
         connector.close()
+    # A begin_step that raises after it extended a request's keys (an unknown finished
+    # request: KeyError before it publishes), so that request's block, completed before
+    # its key, still waits; the next commit's visit publishes it, a plain decode or not.
+    connections = sides()
+    both(lambda c: c.begin_step(meta({"a": 0, "b": 0})))
+    both(lambda c: pending(c, ["a", "b"], [0, 0], [3, 2]).process_output())
+    both(lambda c: c.begin_step(meta({"a": 3, "b": 2})))
+    ends["block_before_key"] = both(
+        lambda c: pending(c, ["a", "b"], [3, 2], [1, 1]).process_output()
+    )
+    ends["raising_begin"] = both(
+        lambda c: c.begin_step(AuxOutputConnectorMetadata(0, {}, hashes(["a"], 0), ("zz",)))
+    )
+    both(lambda c: c.begin_step(meta({"a": 4, "b": 3})))
+    ends["visit_after_raise"] = both(
+        lambda c: pending(c, ["a", "b"], [4, 3], [1, 1]).process_output()
+    )
+    for connector in connections.values():
+        connector.close()
     return ends
 
 

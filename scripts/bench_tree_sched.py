@@ -36,7 +36,6 @@ the increment over ``none`` per round), and every round's values.
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import importlib.util
 import json
@@ -63,17 +62,6 @@ def _load(alias: str, tree: Path) -> Any:
     sys.modules[alias] = module
     spec.loader.exec_module(module)
     return module
-
-
-def _state_copy(connector: Any) -> Any:
-    """The connector with its own copy of everything build_connector_meta may change."""
-    clone = copy.copy(connector)
-    for name, value in vars(connector).items():
-        if isinstance(value, dict | list):
-            setattr(clone, name, copy.copy(value))
-    if isinstance(getattr(connector, "_loading", None), dict):  # 0.33: sets are popped whole
-        clone._loading = {k: set(v) for k, v in connector._loading.items()}
-    return clone
 
 
 def _meta_snapshot(metadata: Any, clone: Any) -> Any:
@@ -107,6 +95,7 @@ class _Cold:
 def child(args: argparse.Namespace) -> dict[str, list[float]]:
     """One round in this interpreter (``--tree`` first on sys.path)."""
     import vllm
+    from bench_meta import _state_copy  # the connector's state, copied as bench_meta does
 
     from prime_r3.bench.loop import Simulator
     from prime_r3.bench.workload import BenchConfig

@@ -300,6 +300,30 @@ def crafted(site: Path) -> dict[str, Any]:
     )
     for connector in connections.values():
         connector.close()
+    # A step that is one run of plain decodes: 06 reads their rows as a slice of the
+    # snapshot (consecutive tokens), and its packed output is still an array of its own,
+    # as the gather made it (upstream's dict may alias the snapshot, so both sides cannot
+    # tell: checked on the patched side, after the same step on both).
+    connections = sides()
+    both(lambda c: c.begin_step(meta({"a": 0, "b": 0})))
+    both(lambda c: pending(c, ["a", "b"], [0, 0], [2, 2]).process_output())
+    both(lambda c: c.begin_step(meta({"a": 2, "b": 2})))
+    step = {name: pending(c, ["a", "b"], [2, 2], [1, 1]) for name, c in connections.items()}
+    outputs = {}
+
+    def process(connector: Any) -> Any:
+        name = "upstream" if connector is connections["upstream"] else "patched"
+        output = step[name].process_output()
+        # The packed rows, before the comparison's first lookup splits the step.
+        outputs[name] = getattr(output, "rows", None)
+        return output
+
+    ends["one_decode_run"] = both(process)
+    snapshot = step["patched"].routed_experts
+    assert len(outputs["patched"]) == 2 == len(snapshot)
+    assert not np.shares_memory(outputs["patched"], snapshot)
+    for connector in connections.values():
+        connector.close()
     return ends
 
 

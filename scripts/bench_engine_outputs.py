@@ -1,0 +1,153 @@
+"""R3's cost on the EngineCore -> client hop (``vllm serve``), upstream vs 02's packed form.
+
+    .venv/bin/python scripts/bench_engine_outputs.py [-n 400,1000] [--rounds 3] [--steps 100]
+
+``prime-r3 bench`` stops at the scheduler's outputs; under ``vllm serve`` every step's
+``EngineCoreOutputs`` then goes from EngineCore's output thread to the client's. With R3
+each output carries an array of its own, which the encoder hooks and zmq sends as a
+frame of its own, and the client decodes one by one. This prints, per N, the thread CPU
+per step of the EngineCore side (``pack_routed_experts`` where the tree has it, vLLM's
+``MsgpackEncoder.encode_into`` and ``EngineCoreProc._send_msg_tracking_payload`` over a
+real ipc socket) and of the client side (``recv_multipart``, ``MsgpackDecoder.decode``,
+``unpack_routed_experts`` where the tree has it), for a decode step of N outputs (one
+token each, 46 layers x top-8, uint8) with and without routed experts. The call order
+is the output threads' (``tests/engine_outputs_scenarios.py`` runs the threads
+themselves for parity). Arms, each a fresh interpreter, round-robin ``--rounds`` times:
+``upstream`` (the installed vLLM) and ``diffs`` (a copy patched with ``patches/``).
+R3's increment = with - without, per round; medians, and the ratio upstream / diffs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def measure(sizes: list[int], steps: int) -> dict[str, dict[str, float]]:
+    """In this interpreter: medians (us) per N and side, with and without R3."""
+    import gc
+    import time
+
+    import numpy as np
+    import zmq
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    gc.disable()
+    ctx = zmq.Context()
+    path = f"ipc://{tempfile.mkdtemp()}/hop"
+    push = ctx.socket(zmq.PUSH)
+    push.bind(path)
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(path)
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
+    packs = hasattr(EngineCoreOutputs, "pack_routed_experts")
+    rng = np.random.default_rng(0)
+    result: dict[str, dict[str, float]] = {}
+    for n in sizes:
+        for r3 in (False, True):
+            engine, client = [], []
+            for _ in range(steps):
+                outputs = EngineCoreOutputs(
+                    outputs=[
+                        EngineCoreOutput(
+                            request_id=f"chatcmpl-{i:08d}",
+                            new_token_ids=[7],
+                            routed_experts=rng.integers(0, 128, (1, 46, 8), dtype=np.uint8)
+                            if r3
+                            else None,
+                        )
+                        for i in range(n)
+                    ]
+                )
+                t0 = time.thread_time_ns()
+                if packs:
+                    outputs.pack_routed_experts()
+                buffers = encoder.encode_into(outputs, bytearray())
+                EngineCoreProc._send_msg_tracking_payload(push, buffers)
+                t1 = time.thread_time_ns()
+                frames = pull.recv_multipart(copy=False)
+                got = decoder.decode(frames)
+                if packs:
+                    got.unpack_routed_experts()
+                t2 = time.thread_time_ns()
+                engine.append(t1 - t0)
+                client.append(t2 - t1)
+                del outputs, buffers, frames, got
+            result[f"{n}:{int(r3)}"] = {
+                "engine": statistics.median(engine) / 1e3,
+                "client": statistics.median(client) / 1e3,
+            }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("-n", default="400,1000")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sizes = [int(x) for x in args.n.split(",")]
+    if args.measure:
+        print(json.dumps(measure(sizes, args.steps)))
+        return
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import vllm
+
+    import patches  # scripts/patches.py
+
+    site = Path(vllm.__file__).resolve().parents[1]
+    tree = Path(patches.apply(site, vllm.__version__, Path(tempfile.mkdtemp())))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_R3")}
+    env.update(PRIME_R3="0", VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="ERROR")
+    arms = {"upstream": [str(ROOT)], "diffs": [str(tree), str(ROOT)]}
+    rounds: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+    for r in range(args.rounds):
+        for arm, path in arms.items():
+            command = [sys.executable, __file__, "--measure", "-n", args.n]
+            command += ["--steps", str(args.steps)]
+            out = subprocess.run(
+                command,
+                env={**env, "PYTHONPATH": os.pathsep.join(path)},
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            rounds[arm].append(json.loads(out.strip().splitlines()[-1]))
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    print(f"vLLM {vllm.__version__}, {args.rounds} rounds x {args.steps} steps, us per step")
+    print(f"{'N':>5} {'side':7} {'arm':9} {'R3 off':>8} {'R3 on':>8} {'increment':>10}")
+    for n in sizes:
+        for side in ("engine", "client"):
+            increments = {}
+            for arm in arms:
+                off = [x[f"{n}:0"][side] for x in rounds[arm]]
+                on = [x[f"{n}:1"][side] for x in rounds[arm]]
+                increments[arm] = [b - a for a, b in zip(off, on, strict=True)]
+                print(
+                    f"{n:>5} {side:7} {arm:9} {statistics.median(off):8.0f} "
+                    f"{statistics.median(on):8.0f} {statistics.median(increments[arm]):10.0f}"
+                )
+            ratios = [
+                u / d for u, d in zip(increments["upstream"], increments["diffs"], strict=True)
+            ]
+            print(
+                f"{n:>5} {side:7} increment upstream/diffs per round: "
+                + " ".join(f"{x:.2f}" for x in ratios)
+                + f", median {statistics.median(ratios):.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    main()

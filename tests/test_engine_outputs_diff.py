@@ -1,0 +1,96 @@
+"""02's EngineCore -> client hop: a step's routed experts travel as one array.
+
+``tests/engine_outputs_scenarios.py`` runs vLLM's real EngineCore output thread, a real
+ZMQ socket and the real ``SyncMPClient`` output thread, once on the installed release
+and once on a copy patched with ``patches/``; the client must get what upstream's gets,
+field by field (routed experts by bytes, dtype, shape and flags), from fewer frames.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_upstream_diffs import RELEASE, ROOT, SITE, patches
+
+PACKED = ("decode_400", "mixed", "uint16", "large")
+AS_UPSTREAM = ("mixed_dtypes", "mixed_shapes", "one_with_rows", "none", "empty")
+
+
+def _run(out: Path, tree: Path | None) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_R3")}
+    env.update(PRIME_R3="0", VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="ERROR")
+    env["PYTHONPATH"] = os.pathsep.join([str(p) for p in (tree, ROOT) if p is not None])
+    command = [sys.executable, "-m", "tests.engine_outputs_scenarios", str(out)]
+    result = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(out, "rb") as f:
+        return pickle.load(f)
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(patches.apply(SITE, RELEASE, tmp_path_factory.mktemp("engine_hop_vllm")))
+
+
+@pytest.fixture(scope="module")
+def runs(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    tmp = tmp_path_factory.mktemp("engine_hop")
+    return _run(tmp / "upstream.pickle", None), _run(tmp / "diffs.pickle", tree)
+
+
+def test_the_client_gets_what_upstreams_client_gets(runs: tuple[dict, dict]) -> None:
+    upstream, diffs = runs
+    assert list(diffs) == list(upstream)
+    for name in upstream:
+        got = diffs[name]["outputs"]
+        # The one new field is the packed form's; the client never sees it set.
+        assert got[1].pop("packed_routed_experts") is None, name
+        assert not diffs[name]["packed_left"], name
+        assert got == upstream[name]["outputs"], name
+
+
+def test_a_step_with_routed_experts_travels_in_a_few_frames(runs: tuple[dict, dict]) -> None:
+    upstream, diffs = runs
+    for name in PACKED:
+        (sent,) = diffs[name]["wire"]
+        (before,) = upstream[name]["wire"]
+        # The message, the row counts and the rows, whatever the number of outputs.
+        assert len(sent) <= 3 < len(before) or len(sent) < len(before), name
+    assert len(upstream["decode_400"]["wire"][0]) == 401
+    assert len(diffs["decode_400"]["wire"][0]) <= 3
+
+
+def test_a_step_left_as_it_is_goes_out_as_upstreams_plus_one_nil(
+    runs: tuple[dict, dict],
+) -> None:
+    """Mixed dtypes or per-token shapes, one output with rows, none: nothing is packed,
+    and the wire differs from upstream's only by the new trailing field (nil)."""
+    upstream, diffs = runs
+    for name in AS_UPSTREAM:
+        (sent,) = diffs[name]["wire"]
+        (before,) = upstream[name]["wire"]
+        assert sent[1:] == before[1:], name
+        head, body = before[0][0], before[0][1:]
+        assert 0x90 <= head < 0x9F, name  # a fixarray: EngineCoreOutputs' fields
+        assert sent[0] == bytes([head + 1]) + body + b"\xc0", name
+
+
+def test_both_client_output_loops_unpack_what_they_decode(tree: Path) -> None:
+    """The sync client's loop runs in the scenarios; the asyncio client's has the same
+    two lines (``AsyncMPClient``, every DP client)."""
+    source = (tree / "vllm/v1/engine/core_client.py").read_text()
+    decodes = re.findall(r"decoder\.decode\(frames\)\n(.*)\n", source)
+    assert len(decodes) == 2
+    assert all(line.strip() == "outputs.unpack_routed_experts()" for line in decodes)
+    core = (tree / "vllm/v1/engine/core.py").read_text()
+    assert core.count("outputs.pack_routed_experts()") == 1

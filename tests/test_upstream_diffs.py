@@ -717,6 +717,16 @@ def test_upstream_form_worker_matches_on_steps_the_workload_never_makes(
     assert held == {f"r{index}": int(index % 3 != 0) for index in range(48)}
     _, state = ends["keys_after_blocks"]
     assert not any(fields[1] for fields in state[1].values())
+    # A worker row reused after a torn-down request's tail: the newcomer's decode opens
+    # its own tail (token 4, one row); the other request's completed block waits for its key.
+    outputs, state = ends["row_reused"]
+    assert [(request_id, start) for request_id, start, *_ in outputs] == [("b", 3), ("c", 4)]
+    assert state[1]["c"][-1][:2] == (4, 1) and "a" not in state[1]
+    assert len(state[1]["b"][1]) == 1 and state[1]["b"][-1] is None
+    # begin_step's rows are not taken for a batch once one of them was freed: the request
+    # torn down in between is unknown to prepare_output, as upstream's lookup finds.
+    assert "a" not in ends["freed_before_prepare"][1][1]
+    assert ends["batch_row_freed"][0] == ("KeyError", "'a'")
     # A block whose key came with a begin_step that then raised is published by the next
     # commit's visit to its request (a plain one-token decode), as upstream's loop does.
     assert len(ends["block_before_key"][1][1]["a"][1]) == 1

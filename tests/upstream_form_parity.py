@@ -281,6 +281,42 @@ def crafted(site: Path) -> dict[str, Any]:
     )
     for connector in connections.values():
         connector.close()
+    # A worker row reused by a new request after its former tenant, torn down, left a
+    # tail there (06 keeps a request's buffer tail in its worker row): the newcomer's
+    # first decode finds no tail and opens one in the decode run, as upstream's capture
+    # does. The stale row's tail arrays (block start 0, 3 rows) must not count.
+    connections = sides()
+    both(lambda c: c.begin_step(meta({"a": 0, "b": 0})))
+    both(lambda c: pending(c, ["a", "b"], [0, 0], [3, 2]).process_output())
+    patched = connections["patched"]
+    a_row = patched._requests.rows["a"]
+    both(lambda c: c.begin_step(meta({"b": 2}, finished=("a",))))
+    both(lambda c: c.begin_step(AuxOutputConnectorMetadata(0, {"c": 0}, hashes(["c"], 0), ())))
+    assert patched._requests.rows["c"] == a_row
+    both(lambda c: pending(c, ["b", "c"], [2, 0], [1, 4]).process_output())
+    both(lambda c: c.begin_step(meta({"b": 3, "c": 4})))
+    ends["row_reused"] = both(lambda c: pending(c, ["b", "c"], [3, 4], [1, 1]).process_output())
+    assert patched._buffer._requests == {"c": a_row}
+    for connector in connections.values():
+        connector.close()
+    # prepare_output takes begin_step's rows for a batch that lists the scheduled ids in
+    # their order (07), unless one of those rows was freed since. Here a request finished
+    # while a step covered it is scheduled again (the scheduler never does) and torn down
+    # by that step's process_output between begin_step and prepare_output: upstream's
+    # lookup raises KeyError for it, and so must the patched side.
+    connections = sides()
+    patched = connections["patched"]
+    both(lambda c: c.begin_step(meta({"a": 0, "b": 0})))
+    step = {name: pending(c, ["a", "b"], [0, 0], [1, 1]) for name, c in connections.items()}
+    assert step["patched"].request_rows is patched._scheduled_rows[1]  # begin_step's rows
+    both(lambda c: c.begin_step(meta({"b": 1}, finished=("a",))))
+    both(lambda c: c.begin_step(meta({"a": 1, "b": 1})))
+    ends["freed_before_prepare"] = both(
+        lambda c: step["upstream" if c is connections["upstream"] else "patched"].process_output()
+    )
+    ends["batch_row_freed"] = both(lambda c: pending(c, ["a", "b"], [1, 1], [1, 1]))
+    for connector in connections.values():
+        connector.close()
     # A begin_step that raises after it extended a request's keys (an unknown finished
     # request: KeyError before it publishes), so that request's block, completed before
     # its key, still waits; the next commit's visit publishes it, a plain decode or not.

@@ -66,6 +66,10 @@ def scenarios() -> list[tuple[str, list[dict[str, Any]]]]:
     shapes = [out(0, rows(2)), out(1, rows(2, shape=(46, 4))), out(2, rows(1))]
     single = [out(0, rows(3)), out(1, None), out(2, None)]
     large = [out(i, rows(1200)) for i in range(3)]  # above MessageQueue-size buffers
+    # A prefill's rows (8 KiB or more: 23 rows x 368 B) among decode rows: only the
+    # small ones are packed, the prefill's go as upstream sends them.
+    prefill = [out(0, rows(1)), out(1, rows(23)), out(2, rows(22)), out(3, rows(1))]
+    prefill += [out(4, rows(4000)), out(5, None), out(6, rows(1))]
     return [
         ("decode_400", decode),
         ("mixed", mixed),
@@ -76,6 +80,7 @@ def scenarios() -> list[tuple[str, list[dict[str, Any]]]]:
         ("none", [out(i, None) for i in range(5)]),
         ("empty", []),
         ("large", large),
+        ("prefill", prefill),
     ]
 
 

@@ -66,6 +66,10 @@ def scenarios() -> list[tuple[str, list[dict[str, Any]]]]:
     shapes = [out(0, rows(2)), out(1, rows(2, shape=(46, 4))), out(2, rows(1))]
     single = [out(0, rows(3)), out(1, None), out(2, None)]
     large = [out(i, rows(1200)) for i in range(3)]  # above MessageQueue-size buffers
+    # A prefill's rows (8 KiB or more: 23 rows x 368 B) among decode rows: only the
+    # small ones are packed, the prefill's go as upstream sends them.
+    prefill = [out(0, rows(1)), out(1, rows(23)), out(2, rows(22)), out(3, rows(1))]
+    prefill += [out(4, rows(4000)), out(5, None), out(6, rows(1))]
     return [
         ("decode_400", decode),
         ("mixed", mixed),
@@ -76,6 +80,7 @@ def scenarios() -> list[tuple[str, list[dict[str, Any]]]]:
         ("none", [out(i, None) for i in range(5)]),
         ("empty", []),
         ("large", large),
+        ("prefill", prefill),
     ]
 
 
@@ -101,6 +106,61 @@ def _describe(value: Any) -> Any:
     if isinstance(value, set):
         return sorted(value)
     return value
+
+
+def _pinned(value: np.ndarray | None) -> int | None:
+    """Bytes a client array keeps alive: the whole buffer at the root of its bases (a
+    decoded array is a view of a received frame; one the client copied owns its data)."""
+    if value is None:
+        return None
+    base: Any = value
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    return base.nbytes if isinstance(base, np.ndarray) else memoryview(base).nbytes
+
+
+def malformed_pairs() -> list[tuple[str, int, np.ndarray, np.ndarray]]:
+    """Packed pairs no EngineCore of this build sends (a peer of another layout, a bug):
+    a name, the step's number of outputs, the counts and the rows."""
+    rows = np.arange(3 * SHAPE[0] * SHAPE[1], dtype=np.uint8).reshape(3, *SHAPE)
+    return [
+        ("fewer_counts_than_outputs", 3, np.array([1, 2], np.int64), rows),
+        ("counts_beyond_the_rows", 2, np.array([2, 2], np.int64), rows),
+        ("counts_short_of_the_rows", 2, np.array([1, 1], np.int64), rows),
+        ("a_count_below_minus_one", 2, np.array([-2, 3], np.int64), rows),
+        ("rows_without_outputs", 0, np.array([], np.int64), rows),
+        ("float_counts", 2, np.array([1.0, 2.0]), rows),
+        ("two_dimensional_counts", 2, np.array([[1], [2]], np.int64), rows),
+        ("zero_dimensional_rows", 2, np.array([1, 1], np.int64), np.array(7, np.uint8)),
+    ]
+
+
+def unpack_malformed() -> dict[str, Any] | None:
+    """Each malformed pair through vLLM's real encoder and decoder, then the client's
+    unpack: the exception it raises (the client's output loop hands it to get_output), or
+    what the outputs got. None where the tree has no packed form."""
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    if not hasattr(EngineCoreOutputs, "unpack_routed_experts"):
+        return None
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
+    result: dict[str, Any] = {}
+    for name, num_outputs, counts, rows in malformed_pairs():
+        sent = EngineCoreOutputs(
+            outputs=[EngineCoreOutput(f"req-{i}", [i]) for i in range(num_outputs)],
+            packed_routed_experts=(counts, rows),  # type: ignore[call-arg]
+        )
+        got = decoder.decode(encoder.encode(sent))
+        try:
+            got.unpack_routed_experts()
+        except Exception as e:  # noqa: BLE001 - recorded for the test to judge
+            result[name] = (type(e).__name__, str(e))
+        else:
+            result[name] = ("no error", _describe(got.outputs))
+    return result
 
 
 def _client(path: str) -> Any:
@@ -172,6 +232,7 @@ def run() -> dict[str, Any]:
             "outputs": _describe(got),
             "wire": list(wire),
             "packed_left": getattr(got, "packed_routed_experts", None) is not None,
+            "pinned": [_pinned(output.routed_experts) for output in got.outputs],
         }
     engine.output_queue.put_nowait(EngineCoreProc.ENGINE_CORE_DEAD)
     thread.join(timeout=30)
@@ -181,10 +242,10 @@ def run() -> dict[str, Any]:
 
 def main() -> None:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    result = run()
+    result = {"scenarios": run(), "malformed": unpack_malformed()}
     with open(sys.argv[1], "wb") as f:
         pickle.dump(result, f)
-    print("ok", len(result))
+    print("ok", len(result["scenarios"]))
 
 
 if __name__ == "__main__":

@@ -18,10 +18,11 @@ from typing import Any
 
 import pytest
 
+from tests import engine_outputs_scenarios as scenarios
 from tests.test_upstream_diffs import RELEASE, ROOT, SITE, patches
 
-PACKED = ("decode_400", "mixed", "uint16", "large")
-AS_UPSTREAM = ("mixed_dtypes", "mixed_shapes", "one_with_rows", "none", "empty")
+PACKED = ("decode_400", "mixed", "uint16", "prefill")
+AS_UPSTREAM = ("mixed_dtypes", "mixed_shapes", "one_with_rows", "none", "empty", "large")
 
 
 def _run(out: Path, tree: Path | None) -> dict[str, Any]:
@@ -43,9 +44,15 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+def results(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     tmp = tmp_path_factory.mktemp("engine_hop")
     return _run(tmp / "upstream.pickle", None), _run(tmp / "diffs.pickle", tree)
+
+
+@pytest.fixture(scope="module")
+def runs(results: tuple[dict, dict]) -> tuple[dict, dict]:
+    """Each tree's scenarios through the real output threads."""
+    return results[0]["scenarios"], results[1]["scenarios"]
 
 
 def test_the_client_gets_what_upstreams_client_gets(runs: tuple[dict, dict]) -> None:
@@ -59,13 +66,33 @@ def test_the_client_gets_what_upstreams_client_gets(runs: tuple[dict, dict]) -> 
         assert got == upstream[name]["outputs"], name
 
 
+def test_a_client_output_keeps_no_more_alive_than_upstreams(runs: tuple[dict, dict]) -> None:
+    """An output the client keeps (its request's chunks, until the request finishes) pins
+    at most what upstream's pinned: its own rows, never the step's packed rows."""
+    upstream, diffs = runs
+    for name in upstream:
+        pinned, before = diffs[name]["pinned"], upstream[name]["pinned"]
+        assert len(pinned) == len(before), name
+        for got, limit in zip(pinned, before, strict=True):
+            assert (got is None) == (limit is None), name
+            assert got is None or got <= limit, (name, got, limit)
+
+
 def test_a_step_with_routed_experts_travels_in_a_few_frames(runs: tuple[dict, dict]) -> None:
     upstream, diffs = runs
+    specs = dict(scenarios.scenarios())
     for name in PACKED:
         (sent,) = diffs[name]["wire"]
         (before,) = upstream[name]["wire"]
+        # Arrays of 8 KiB or more (a prefill's rows) keep a frame each, as upstream's.
+        left = sum(
+            spec["routed_experts"] is not None and spec["routed_experts"].nbytes >= 8192
+            for spec in specs[name]
+        )
         # The message, the row counts and the rows, whatever the number of outputs.
-        assert len(sent) <= 3 and len(sent) < len(before), name
+        assert len(sent) <= 3 + left and len(sent) < len(before), (name, len(sent), left)
+        # ... and go out as upstream's frames, not copied into the packed rows.
+        assert all(frame in sent[1:] for frame in before[1:] if len(frame) >= 8192), name
     assert len(upstream["decode_400"]["wire"][0]) == 401
     assert len(diffs["decode_400"]["wire"][0]) <= 3
 
@@ -83,6 +110,20 @@ def test_a_step_left_as_it_is_goes_out_as_upstreams_plus_one_nil(
         head, body = before[0][0], before[0][1:]
         assert 0x90 <= head < 0x9F, name  # a fixarray: EngineCoreOutputs' fields
         assert sent[0] == bytes([head + 1]) + body + b"\xc0", name
+
+
+def test_a_malformed_packed_pair_is_refused_by_name(results: tuple[dict, dict]) -> None:
+    """Counts that do not describe the rows (another layout, a bug) raise a ValueError
+    naming the packed routed experts, which the client's output loop hands to
+    get_output, as it does a message it cannot decode: never rows given to the wrong
+    outputs, or dropped."""
+    upstream, diffs = results
+    assert upstream["malformed"] is None  # the installed release has no packed form
+    malformed = diffs["malformed"]
+    assert set(malformed) == {name for name, *_ in scenarios.malformed_pairs()}
+    for name, (kind, message) in malformed.items():
+        assert kind == "ValueError", (name, kind, message)
+        assert message.startswith("packed routed experts"), (name, message)
 
 
 def test_both_client_output_loops_unpack_what_they_decode(tree: Path) -> None:

@@ -360,6 +360,18 @@ def crafted(site: Path) -> dict[str, Any]:
     assert not np.shares_memory(outputs["patched"], snapshot)
     for connector in connections.values():
         connector.close()
+    # A step without metadata (begin_step(None)) after a scheduled one: upstream drops
+    # the step's metadata, so the request state alone holds its ids. The patched side
+    # (07 keeps the scheduled ids for prepare_output) must hold no more of them.
+    held = {}
+    for name, connector in sides().items():
+        request_id = "".join(["held-", name])  # a str of this side's own
+        connector.begin_step(meta({request_id: 0}))
+        connector.begin_step(None)
+        held[name] = sys.getrefcount(request_id)
+        connector.close()
+    ends["ids_after_no_metadata"] = held
+    assert held["upstream"] == held["patched"], held
     return ends
 
 

@@ -68,14 +68,35 @@ def _arm(
     import vllm
 
     out["vllm"] = str(Path(vllm.__file__).parent.absolute())
-    # Applied patches; one still waiting for a module the bench never imports (engine_gc's
-    # server and GPU worker halves) is listed with its state, as it ran in part.
-    out["applied"] = [
+    out["applied"] = applied_patches()
+    return out
+
+
+def applied_patches() -> list[str]:
+    """The patches this process runs; one still waiting for a module the bench never
+    imports (engine_gc's server and GPU worker halves) is listed with its state, as it
+    ran in part."""
+    import prime_r3
+
+    return [
         o.name if o.state in ("applied", "already_applied") else f"{o.name} ({o.state})"
         for o in prime_r3.status().outcomes
         if o.state in ("applied", "already_applied", "pending_import")
     ]
-    return out
+
+
+def print_per_round(label: str, ratios: list[float]) -> None:
+    """One line: each round's ratio (its arms ran back to back) and their median."""
+    rounds = " ".join(f"{x:.3f}" for x in ratios)
+    print(f"  {label} per round: {rounds}   median {statistics.median(ratios):.3f}")
+
+
+def print_applied(arms: tuple[str, ...], results: dict[str, list[dict[str, Any]]]) -> None:
+    """Each arm's applied patches (every distinct list its rounds reported), so it is
+    plain which code ran."""
+    for arm in arms:
+        applied = {tuple(r["applied"]) for r in results[arm]}
+        print(f"  {arm} applied: " + " | ".join(", ".join(a) or "(none)" for a in applied))
 
 
 def _child(

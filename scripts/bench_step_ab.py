@@ -49,7 +49,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_aux_ab import ROOT, _arm, _child, _export  # noqa: E402 - shared with it
+from bench_aux_ab import (  # noqa: E402 - shared with it
+    ROOT,
+    _arm,
+    _child,
+    _export,
+    print_applied,
+    print_per_round,
+)
 
 import patches as upstream_diffs  # noqa: E402 - scripts/patches.py
 
@@ -156,11 +163,8 @@ def _print(
             a["engine_cpu_ms"] / b["engine_cpu_ms"]
             for a, b in zip(results[top], results[bottom], strict=True)
         ]
-        rounds = " ".join(f"{x:.3f}" for x in ratios)
-        print(f"  {top}/{bottom} per round: {rounds}   median {statistics.median(ratios):.3f}")
-    for arm in arms:
-        applied = {tuple(r["applied"]) for r in results[arm]}
-        print(f"  {arm} applied: " + " | ".join(", ".join(a) or "(none)" for a in applied))
+        print_per_round(f"{top}/{bottom}", ratios)
+    print_applied(arms, results)
 
 
 if __name__ == "__main__":

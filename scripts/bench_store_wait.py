@@ -42,7 +42,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_aux_ab import ROOT, _child  # noqa: E402 - shared with it
+from bench_aux_ab import (  # noqa: E402 - shared with it
+    ROOT,
+    _child,
+    applied_patches,
+    print_applied,
+    print_per_round,
+)
 
 import patches as upstream_diffs  # noqa: E402 - scripts/patches.py
 
@@ -106,7 +112,7 @@ def _arm(n: int, steps: int, warmup: int, patched: bool) -> dict[str, Any]:
         "engine_cpu_ms": summary["engine_cpu_ms"],
         "package": str(Path(prime_r3.__file__).resolve().parent),
         "vllm": str(Path(vllm.__file__).parent.absolute()),
-        "applied": [o.name for o in prime_r3.status().outcomes if o.state == "applied"],
+        "applied": applied_patches(),
     }
 
 
@@ -159,11 +165,8 @@ def _print(
             a["wait_ms"] / b["wait_ms"] if b["wait_ms"] else float("nan")
             for a, b in zip(results[arm], results["upstream"], strict=True)
         ]
-        rounds = " ".join(f"{x:.3f}" for x in ratios)
-        print(f"  {arm}/upstream wait per round: {rounds}   median {statistics.median(ratios):.3f}")
-    for arm in arms:
-        applied = {tuple(r["applied"]) for r in results[arm]}
-        print(f"  {arm} applied: " + " | ".join(", ".join(a) or "(none)" for a in applied))
+        print_per_round(f"{arm}/upstream wait", ratios)
+    print_applied(arms, results)
 
 
 if __name__ == "__main__":

@@ -42,14 +42,20 @@ def applicable() -> tuple[str, ...]:
     return tuple(command.applicable_patches()[1])
 
 
-def _run(cfg: BenchConfig, applicable: tuple[str, ...]) -> dict:
-    run = [arms.Arm("r3_upstream", r3=True), arms.Arm("r3_prime", r3=True, patches=applicable)]
+#: ``--without``'s arm in the full run: every patch but packed_outputs, so batched_take
+#: (which reads only packed steps) is in force and hands every request to upstream.
+LEFT_OUT = "packed_outputs"
+
+
+def _run(cfg: BenchConfig, applicable: tuple[str, ...], left_out: tuple[str, ...] = ()) -> dict:
+    # The bench's own arms (r3_off has no rows to compare).
+    run = [arm for arm in arms.default_arms(applicable, (), left_out) if arm.r3]
     return arms.run_arms(run, cfg, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def results(applicable: tuple[str, ...]) -> dict:
-    return _run(SMALL, applicable)
+    return _run(SMALL, applicable, (LEFT_OUT,))
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +69,28 @@ def test_arms_ran_clean(results: dict, applicable: tuple[str, ...]) -> None:
     assert results["r3_upstream"]["active_patches"] == []
     assert set(results["r3_prime"]["active_patches"]) == set(applicable)
     assert set(applicable) <= {spec.name for spec in REGISTRY}
+    # --without's arm ran every other patch, and not the one left out.
+    assert set(results[f"r3_prime[-{LEFT_OUT}]"]["active_patches"]) == set(applicable) - {LEFT_OUT}
+
+
+def test_an_arm_without_packed_outputs_sends_upstreams_dicts(results: dict) -> None:
+    """Left out of the rest, packed_outputs' share shows: batched_take, still applied,
+    finds no packed step and hands every request to upstream's take_output (its counter,
+    from the arm's own process); with it, the same requests go by the slice."""
+    without = results[f"r3_prime[-{LEFT_OUT}]"]["fast_path"]["batched_take"]
+    assert without["fast_requests"] == 0
+    assert without["fallback_requests"] > 0
+    assert without["fallback_reasons"] == {"not_packed": without["fallback_requests"]}
+    assert results[f"r3_prime[-{LEFT_OUT}]"]["handshake"] is None
+    full = results["r3_prime"]["fast_path"]["batched_take"]
+    assert full["fast_requests"] > 0
 
 
 def test_rows_bitwise_identical_across_preemption_and_prefix_hits(results: dict) -> None:
-    checked = command.check_parity(results)["r3_prime"]
+    every = command.check_parity(results)
+    assert set(every) == {"r3_prime", f"r3_prime[-{LEFT_OUT}]"}
+    assert every[f"r3_prime[-{LEFT_OUT}]"] == every["r3_prime"]  # same requests, same rows
+    checked = every["r3_prime"]
     assert checked["requests"] > 0 and checked["rows"] > 0
     # The interesting paths really happened among the compared requests.
     assert checked["preempted_requests"] > 0

@@ -34,14 +34,23 @@ class Arm:
     patches: tuple[str, ...] | None = None
 
 
-def default_arms(registry_names: Sequence[str], per_patch: Sequence[str] = ()) -> list[Arm]:
-    """R3 off, R3 on upstream, R3 on with every patch, then one arm per requested patch."""
+def default_arms(
+    registry_names: Sequence[str], per_patch: Sequence[str] = (), left_out: Sequence[str] = ()
+) -> list[Arm]:
+    """R3 off, R3 on upstream, R3 on with every patch, then one arm per requested patch
+    alone (``r3_prime[NAME]``: its share over upstream), then one arm per patch left out
+    of the rest (``r3_prime[-NAME]``: its share inside r3_prime; a patch that only acts
+    with another, as batched_take with packed_outputs, shows its share only here)."""
     arms = [
         Arm("r3_off", r3=False),
         Arm("r3_upstream", r3=True),
         Arm("r3_prime", r3=True, patches=tuple(registry_names)),
     ]
     arms += [Arm(f"r3_prime[{name}]", r3=True, patches=(name,)) for name in per_patch]
+    arms += [
+        Arm(f"r3_prime[-{name}]", r3=True, patches=tuple(n for n in registry_names if n != name))
+        for name in left_out
+    ]
     return arms
 
 

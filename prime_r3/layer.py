@@ -167,7 +167,7 @@ def apply(
                 outcomes.append(_apply_spec(spec, version, params, spec.name in requested))
     report = Report(version, tuple(outcomes))
     if log:
-        logger.info(report.summary())
+        _log_line(report.summary())
     failed = [o.name for o in outcomes if o.name in requested and o.state == SKIPPED]
     if failed:
         raise PatchNotApplied(report, failed)
@@ -192,6 +192,7 @@ def revert(names: Iterable[str] | None = None) -> Report:
     specs = registry()
     wanted = set(_known(names, specs)) if names is not None else {s.name for s in specs}
     outcomes = []
+    _flush_deferred_line()  # the line of what was applied, before it is reverted
     with state.lock():
         had_inert = {name for name, _, _ in state.inert_entries()}
         _sweep_inert()
@@ -256,6 +257,55 @@ def get_original(module: str, attr: str) -> Any:
 
 # -- internals -------------------------------------------------------------------
 
+#: The process line apply() could not show yet, and vLLM's logging configuration
+#: function it waits for (see ``_log_line``): ``[line, module, upstream function]``.
+_deferred_line: list[Any] = []
+
+
+def _log_line(line: str) -> None:
+    """Log the process line now, or right after vLLM configures its logging.
+
+    vLLM 0.32 configures its logging lazily: the front end (``vllm serve``'s API server,
+    the offline ``LLM`` process) loads plugins before it does, when no handler would show
+    an INFO record (Python's last resort shows warnings only). There the line waits for
+    ``vllm.logger._configure_vllm_root_logger``, the function every vLLM logging
+    configuration runs (``configure_logging`` calls it through the module), and is
+    logged once right after it returns; the function is then put back. Where a handler
+    already takes the record, or vLLM does not have that function, it is logged now.
+    A later apply's line replaces a line still waiting; revert logs it first.
+    """
+    if logger.hasHandlers():
+        logger.info(line)
+        return
+    if _deferred_line:
+        _deferred_line[0] = line
+        return
+    module = sys.modules.get("vllm.logger")
+    upstream = getattr(module, "__dict__", {}).get("_configure_vllm_root_logger")
+    if not isinstance(upstream, types.FunctionType) or upstream.__module__ != "vllm.logger":
+        logger.info(line)
+        return
+
+    def then_log_the_line(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            _flush_deferred_line()
+
+    _deferred_line[:] = [line, module, upstream]
+    module._configure_vllm_root_logger = wrapt.FunctionWrapper(upstream, then_log_the_line)
+
+
+def _flush_deferred_line() -> None:
+    if not _deferred_line:
+        return
+    line, module, upstream = _deferred_line
+    _deferred_line.clear()
+    current = module.__dict__.get("_configure_vllm_root_logger")
+    if isinstance(current, wrapt.FunctionWrapper) and current.__wrapped__ is upstream:
+        module._configure_vllm_root_logger = upstream
+    logger.info(line)
+
 
 def _known(names: Iterable[str], specs: Sequence[PatchSpec]) -> list[str]:
     valid = [s.name for s in specs]
@@ -281,6 +331,8 @@ def _check(spec: PatchSpec, version: str | None) -> str | None:
     """Every guard of the patch; modules not loaded yet are checked from their files."""
     reason = guards.check_version(spec, version)
     if reason:
+        return reason
+    if spec.no_effect_here is not None and (reason := spec.no_effect_here()):
         return reason
     return _check_items((*spec.targets, *spec.anchors_for(version)))
 

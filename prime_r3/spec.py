@@ -145,6 +145,9 @@ class PatchSpec:
     fixed_upstream_in: str | None = None
     #: Called after the patch's targets are removed (e.g. to undo a side effect).
     on_revert: Callable[[], None] | None = None
+    #: Why the patch can take no effect in this process (a reason string), or None:
+    #: checked with the guards, so such a process reports the patch skipped with it.
+    no_effect_here: Callable[[], str | None] | None = None
     notes: str = field(default="")
     #: Why this patch has no upstream-form diff under ``patches/`` yet; empty when it has
     #: one for every release it applies to (``scripts/patches.py`` and

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import multiprocessing
 import sys
 import weakref
 from collections.abc import Mapping
@@ -149,6 +150,27 @@ def _api_server(params: Mapping[str, Any]) -> WrapperFn:
     return after_api_server_freeze
 
 
+def _no_effect_here() -> str | None:
+    """A vLLM CPU worker process never freezes its heap, so the thresholds would never be set.
+
+    vLLM's ``MultiprocExecutor`` names its worker processes ``VllmWorker-<rank>``; on the
+    CPU platform their worker is ``CPUWorker``, whose ``compile_or_warm_up_model``
+    replaces ``Worker``'s and calls no ``freeze_gc_heap`` (0.31-0.33). EngineCore and the
+    API server are other processes (and an in-process engine's process is not a
+    ``VllmWorker``), so the patch still applies there.
+    """
+    if not multiprocessing.current_process().name.startswith("VllmWorker-"):
+        return None
+    platforms = sys.modules.get("vllm.platforms")
+    platform = getattr(platforms, "current_platform", None) if platforms else None
+    if platform is None or not platform.is_cpu():
+        return None
+    return (
+        "no effect in a vLLM CPU worker: CPUWorker.compile_or_warm_up_model never calls "
+        "freeze_gc_heap, after which engine_gc sets its thresholds"
+    )
+
+
 def _restore_thresholds() -> None:
     """Put back the thresholds found before we set ours, unless someone changed them since."""
     global _saved_thresholds, _set_by_us, _worker_done, _unattributed
@@ -221,4 +243,5 @@ SPEC = PatchSpec(
         ),
     ),
     on_revert=_restore_thresholds,
+    no_effect_here=_no_effect_here,
 )

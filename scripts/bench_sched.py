@@ -8,7 +8,7 @@ The ``sched`` column is main-thread CPU in ``schedule()``, ``update_from_output(
 runs, in fresh interpreters back to back (order alternating between rounds), the R3-off
 arm and the prime arm (R3 on, every patch this release takes), and with ``--before`` the
 prime arm of prime_r3 at git revision REF (``git archive`` on ``PYTHONPATH``, as
-``scripts/bench_aux_ab.py``). Per step, without a profiler:
+``scripts/benchkit.py``'s ``export_revision``). Per step, without a profiler:
 
 * ``schedule`` / ``update`` / ``add``: thread CPU of each of the three calls.
 * ``meta``: thread CPU of ``build_connector_meta`` (one call per step, timed around the
@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_aux_ab import _export  # noqa: E402 - one export of a revision for both
+from benchkit import export_revision as _export  # noqa: E402 - the harness
 
 ROOT = Path(__file__).resolve().parent.parent
 _TAKE_FILE = "prime_r3/fixes/batched_take.py"
@@ -423,7 +423,7 @@ def main() -> None:
         "--no-replay",
         action="store_true",
         help="skip take_replay/take_up/take_floor (the replay runs between update_from_output "
-        "and add_request, so it perturbs the pieces after it: see bench_sched_residue.py)",
+        "and add_request, so it perturbs the pieces after it: scripts/README.md, 'The residue')",
     )
     parser.add_argument("--arm", choices=("off", "prime"), help=argparse.SUPPRESS)
     parser.add_argument("--take-file", default="", help=argparse.SUPPRESS)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_aux_ab import check_vllm, child_env  # noqa: E402 - shared with it
+from benchkit import check_vllm, child_env  # noqa: E402 - the harness
 
 import patches as upstream_diffs  # noqa: E402 - scripts/patches.py
 

@@ -1,7 +1,7 @@
 """The benchmarks' one harness: fresh interpreters per arm, rotated rounds, medians, JSON.
 
-Every benchmark under ``scripts/`` that compares arms in separate processes builds on
-this module (the in-process micro-benchmarks use ``header`` and ``write_json`` only):
+The benchmarks under ``scripts/`` that compare arms in separate processes build on this
+module (``prime-r3 bench NAME`` prints ``header_line`` before any benchmark runs):
 
 * ``run_child``: one arm in a fresh interpreter, with a given checkout (or a ``git
   archive`` of a revision, ``export_revision``) and optionally a patched vLLM tree first

@@ -170,19 +170,15 @@ def export_revision(ref: str, into: str, path: str = "prime_r3") -> None:
 
 def _commit() -> str:
     """This checkout's commit, ``+dirty`` when the working tree differs from it."""
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+        run.check_returncode()
+        return run.stdout.strip()
+
     try:
-        rev = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
+        rev = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return rev + ("+dirty" if dirty else "")

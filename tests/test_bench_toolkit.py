@@ -85,3 +85,12 @@ def test_json_names_the_vllm_release_and_the_arguments(tmp_path: pathlib.Path) -
     assert written["data"] == {"medians": {"x": 2.0}}
     line = kit.header_line("t", written["header"])
     assert line.startswith(f"t: vLLM {written['header']['vllm']}, Python ")
+
+
+def test_without_a_checkout_a_benchmark_is_a_one_line_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(toolkit, "SCRIPTS", tmp_path)  # an installed package: no scripts/
+    assert cli.main(["bench", "store"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bench_store.py not found" in err and "checkout" in err

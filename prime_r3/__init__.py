@@ -2,7 +2,7 @@
 
 ``import prime_r3; prime_r3.apply()`` in a launch script, or nothing at all under
 ``vllm serve``: the ``vllm.general_plugins`` entry point applies the overlay in every
-process vLLM starts. Environment variables select patches (see README).
+process vLLM starts. Environment variables select patches (README.md, "Settings").
 """
 
 from __future__ import annotations

@@ -69,6 +69,10 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+class _BenchHelp(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, and the epilog's list of benchmarks kept one a line."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prime-r3", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,11 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.set_defaults(func=_status)
     from prime_r3.bench.command import add_arguments
+    from prime_r3.bench.toolkit import listing
 
     bench = sub.add_parser(
         "bench",
-        help="CPU engine-step simulator: R3 cost and row parity, with/without prime_r3",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        usage="%(prog)s [NAME [ARGS]] | [options]",
+        help="CPU engine-step simulator: R3 cost and row parity, with/without prime_r3 "
+        "(bare); 'prime-r3 bench NAME' runs one benchmark of the toolkit",
+        epilog="benchmarks (prime-r3 bench NAME --help; scripts/README.md):\n" + listing(),
+        formatter_class=_BenchHelp,
     )
     add_arguments(bench)
     bench.set_defaults(func=_bench)
@@ -88,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    from prime_r3.bench import toolkit
+
+    if toolkit.is_tool_call(argv):  # prime-r3 bench NAME [ARGS]: one benchmark
+        return toolkit.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

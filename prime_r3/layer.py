@@ -108,8 +108,15 @@ class Report:
         raise KeyError(name)
 
     def summary(self) -> str:
-        active = ", ".join(self.names(APPLIED, ALREADY, WOULD_APPLY)) or "none"
-        parts = [f"prime_r3 on vllm {self.vllm_version} (pid {os.getpid()}): active: {active}"]
+        """One readable line, as each process logs it: the active patches, those waiting
+        for an import, skipped (with reasons) and disabled; a ``revert()`` report also
+        names the patches reverted and those kept (with reasons)."""
+        head = f"prime_r3 on vllm {self.vllm_version} (pid {os.getpid()})"
+        if any(o.state in (REVERTED, NOT_ACTIVE, KEPT) for o in self.outcomes):
+            parts = [f"{head}: revert"]  # says what went and what stays, not what runs
+        else:
+            active = ", ".join(self.names(APPLIED, ALREADY, WOULD_APPLY)) or "none"
+            parts = [f"{head}: active: {active}"]
         pending = [f"{o.name} ({o.reason})" for o in self.outcomes if o.state == PENDING]
         if pending:
             parts.append("on import: " + "; ".join(pending))
@@ -119,7 +126,24 @@ class Report:
         disabled = self.names(DISABLED)
         if disabled:
             parts.append("disabled: " + ", ".join(disabled))
+        reverted = [
+            o.name + (f" ({o.reason})" if o.reason else "")
+            for o in self.outcomes
+            if o.state == REVERTED
+        ]
+        if reverted:
+            parts.append("reverted: " + ", ".join(reverted))
+        not_active = self.names(NOT_ACTIVE)
+        if not_active:
+            parts.append("not active: " + ", ".join(not_active))
+        kept = [f"{o.name} ({o.reason})" for o in self.outcomes if o.state == KEPT]
+        if kept:
+            parts.append("kept: " + "; ".join(kept))
         return " | ".join(parts)
+
+    def __str__(self) -> str:
+        """``print(prime_r3.apply())`` shows :meth:`summary`; ``repr`` stays the dataclass's."""
+        return self.summary()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

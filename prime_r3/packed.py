@@ -13,7 +13,7 @@ on the real path those are ``ModelRunnerOutput.req_ids``' own objects (the worke
 a memo reference (a few bytes) and is unpickled as the received ``req_ids``' object:
 no string built, joined, split or hashed again on either side.
 
-What every consumer sees is upstream's dict (see ``README.md``, ``packed_outputs``):
+What every consumer sees is upstream's dict:
 
 * Writer side (``pack``): the dict holds upstream's own ``AuxRequestOutput`` values
   and is packed only when pickled, from its content at that moment (as upstream's

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_commit_step.py [--before REV] [--iterations 150] [-n 400]
                                                   [--history]
 
-Why: ``scripts/bench_aux_ab.py`` (whole bench loop, fresh interpreters) is the honest
+Why: ``prime-r3 bench step-ab`` (whole bench loop, fresh interpreters) is the honest
 end-to-end comparison, but on this shared machine its noise control (``begin_step``,
 ``prepare_output``, code neither arm changes) moves 10-30% between arms, more than a
 change to one of batched_commit's passes can save. Here every arm runs the same step
@@ -17,7 +17,7 @@ declared; then ``--flush-mb`` written, so the step reads upstream's per-request 
 from memory, not from a cache the setup just filled (the engine runs a whole model step
 between two commits). Arms: ``new`` (this working tree), ``before`` and ``before_again`` (the
 decode selection, ``batched_commit._select``, of git revision ``--before``: its
-``prime_r3/fixes/batched_commit.py`` is exported as ``bench_aux_ab.py`` exports a
+``prime_r3/fixes/batched_commit.py`` is exported as ``benchkit.export_revision`` exports a
 revision and loaded beside this tree's under another module name, and its ``_select``
 is swapped in for the arm; everything else is this tree's). With ``--history``, also
 ``no_multi`` (multi-token requests forced to upstream's ``_commit_output``, as before
@@ -45,7 +45,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_aux_ab import _export  # noqa: E402 - shared with it
+from benchkit import export_revision as _export  # noqa: E402 - the harness
 
 BEFORE = "6921192"
 
@@ -69,8 +69,8 @@ WARMUP = 5  # iterations timed but not counted
 
 
 def step_parser(doc: str, n_help: str) -> argparse.ArgumentParser:
-    """The options this script and ``bench_begin_step.py`` share (one step, arms
-    interleaved, the 'before' arms from a git revision)."""
+    """The options of a one-step benchmark (one step, arms interleaved, the 'before' arms
+    from a git revision)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=150)
     parser.add_argument("-n", type=int, default=400, help=n_help)

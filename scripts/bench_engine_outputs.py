@@ -12,7 +12,7 @@ real ipc socket) and of the client side (``recv_multipart``, ``MsgpackDecoder.de
 ``unpack_routed_experts`` where the tree has it), for a decode step of N outputs (one
 token each, 46 layers x top-8, uint8) with and without routed experts. The call order
 is the output threads' (``tests/engine_outputs_scenarios.py`` runs the threads
-themselves for parity). Arms, each a fresh interpreter, round-robin ``--rounds`` times:
+themselves for parity). Arms, each a fresh interpreter, ``--rounds`` rounds in rotated order:
 ``upstream`` (the installed vLLM) and ``diffs`` (a copy patched with ``patches/``).
 R3's increment = with - without, per round; medians, and the ratio upstream / diffs.
 """
@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,8 +31,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def measure(sizes: list[int], steps: int) -> dict[str, dict[str, float]]:
-    """In this interpreter: medians (us) per N and side, with and without R3."""
+def measure(sizes: list[int], steps: int) -> dict[str, Any]:
+    """In this interpreter: medians (us) per N and side, with and without R3 (``steps``),
+    and which prime_r3 and vllm packages ran (``package``, ``vllm``)."""
     import gc
     import time
 
@@ -45,7 +45,8 @@ def measure(sizes: list[int], steps: int) -> dict[str, dict[str, float]]:
 
     gc.disable()
     ctx = zmq.Context()
-    path = f"ipc://{tempfile.mkdtemp()}/hop"
+    socket_dir = tempfile.TemporaryDirectory(prefix="prime_r3_hop_")
+    path = f"ipc://{socket_dir.name}/hop"
     push = ctx.socket(zmq.PUSH)
     push.bind(path)
     pull = ctx.socket(zmq.PULL)
@@ -88,7 +89,19 @@ def measure(sizes: list[int], steps: int) -> dict[str, dict[str, float]]:
                 "engine": statistics.median(engine) / 1e3,
                 "client": statistics.median(client) / 1e3,
             }
-    return result
+    push.close(linger=0)
+    pull.close(linger=0)
+    ctx.term()
+    socket_dir.cleanup()
+    import vllm
+
+    import prime_r3
+
+    return {
+        "steps": result,
+        "package": str(Path(prime_r3.__file__).resolve().parent),
+        "vllm": str(Path(vllm.__file__).parent.absolute()),
+    }
 
 
 def main() -> None:
@@ -96,6 +109,7 @@ def main() -> None:
     parser.add_argument("-n", default="400,1000")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--json", metavar="PATH", help="write header and rounds ('-': stdout)")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = [int(x) for x in args.n.split(",")]
@@ -104,28 +118,27 @@ def main() -> None:
         return
     sys.path.insert(0, str(ROOT / "scripts"))
     import vllm
+    from benchkit import rotated, run_child, write_json
 
     import patches  # scripts/patches.py
 
+    # Both arms run vLLM's code alone: the overlay off in every child.
+    for var in [v for v in os.environ if v.startswith("PRIME_R3")]:
+        del os.environ[var]
+    os.environ.update(PRIME_R3="0", VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="ERROR")
     site = Path(vllm.__file__).resolve().parents[1]
-    tree = Path(patches.apply(site, vllm.__version__, Path(tempfile.mkdtemp())))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_R3")}
-    env.update(PRIME_R3="0", VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="ERROR")
-    arms = {"upstream": [str(ROOT)], "diffs": [str(tree), str(ROOT)]}
+    arms = ("upstream", "diffs")
     rounds: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
-    for r in range(args.rounds):
-        for arm, path in arms.items():
-            command = [sys.executable, __file__, "--measure", "-n", args.n]
-            command += ["--steps", str(args.steps)]
-            out = subprocess.run(
-                command,
-                env={**env, "PYTHONPATH": os.pathsep.join(path)},
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-            rounds[arm].append(json.loads(out.strip().splitlines()[-1]))
-        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="prime_r3_engine_outputs_") as tmp:
+        tree = str(patches.apply(site, vllm.__version__, Path(tmp) / "tree"))
+        trees = {"upstream": None, "diffs": tree}
+        argv = ["--measure", "-n", args.n, "--steps", str(args.steps)]
+        for r in range(args.rounds):
+            for arm in rotated(arms, r):
+                row = run_child(__file__, argv, str(ROOT), arm, trees[arm])
+                rounds[arm].append(row["steps"])
+            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    write_json(args.json, "engine-outputs", vars(args), rounds)
     print(f"vLLM {vllm.__version__}, {args.rounds} rounds x {args.steps} steps, us per step")
     print(f"{'N':>5} {'side':7} {'arm':9} {'R3 off':>8} {'R3 on':>8} {'increment':>10}")
     for n in sizes:

@@ -5,10 +5,10 @@
 
 The ``sched`` column is main-thread CPU in ``schedule()``, ``update_from_output()`` and
 ``add_request`` (the bench's engine loop, ``prime_r3.bench.loop.Simulator``). Each round
-runs, in fresh interpreters back to back (order alternating between rounds), the R3-off
+runs, in fresh interpreters back to back (order rotated between rounds), the R3-off
 arm and the prime arm (R3 on, every patch this release takes), and with ``--before`` the
 prime arm of prime_r3 at git revision REF (``git archive`` on ``PYTHONPATH``, as
-``scripts/bench_aux_ab.py``). Per step, without a profiler:
+``scripts/benchkit.py``'s ``export_revision``). Per step, without a profiler:
 
 * ``schedule`` / ``update`` / ``add``: thread CPU of each of the three calls.
 * ``meta``: thread CPU of ``build_connector_meta`` (one call per step, timed around the
@@ -59,7 +59,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_aux_ab import _export  # noqa: E402 - one export of a revision for both
+from benchkit import export_revision as _export  # noqa: E402 - the harness
+from benchkit import medians, rotated, run_child, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 _TAKE_FILE = "prime_r3/fixes/batched_take.py"
@@ -353,6 +354,9 @@ def _arm(
     out["take_calls"] = acc["take_calls"] / steps
     out["sched"] = out["schedule"] + out["update"] + out["add"]
     out["package"] = str(Path(prime_r3.__file__).resolve().parent)
+    import vllm
+
+    out["vllm"] = str(Path(vllm.__file__).parent.absolute())
     out["variants"] = {
         name: {key: statistics.median(v) for key, v in lists.items() if v}
         for name, lists in per_step.items()
@@ -411,6 +415,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--json", metavar="PATH", help="write header, rows and medians ('-': stdout)"
+    )
     parser.add_argument("--before", help="git revision: also the prime arm of that version")
     parser.add_argument("--no-off", action="store_true", help="skip the R3-off arm")
     parser.add_argument(
@@ -423,7 +430,7 @@ def main() -> None:
         "--no-replay",
         action="store_true",
         help="skip take_replay/take_up/take_floor (the replay runs between update_from_output "
-        "and add_request, so it perturbs the pieces after it: see bench_sched_residue.py)",
+        "and add_request, so it perturbs the pieces after it: scripts/README.md, 'The residue')",
     )
     parser.add_argument("--arm", choices=("off", "prime"), help=argparse.SUPPRESS)
     parser.add_argument("--take-file", default="", help=argparse.SUPPRESS)
@@ -441,6 +448,7 @@ def main() -> None:
         return
     if args.take_before:
         return _take_ab(args)
+    out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="prime_r3_before_") as before_dir:
         paths = {"after": str(ROOT)}
         arms = [] if args.no_off else ["off"]
@@ -452,26 +460,18 @@ def main() -> None:
         for n in [int(x) for x in args.n.split(",")]:
             results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
             for round_ in range(args.rounds):
-                for arm in arms if round_ % 2 == 0 else arms[::-1]:
-                    env = dict(os.environ)
-                    where = paths.get(arm, str(ROOT))
-                    env["PYTHONPATH"] = os.pathsep.join(
-                        [where, *filter(None, [env.get("PYTHONPATH")])]
-                    )
+                for arm in rotated(arms, round_):
                     kind = "off" if arm == "off" else "prime"
-                    command = [sys.executable, __file__, "--arm", kind, "-n", str(n)]
-                    command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
-                    command += ["--no-replay"] if args.no_replay else []
-                    out = subprocess.run(
-                        command, check=True, capture_output=True, text=True, env=env, cwd=where
-                    ).stdout
-                    row = json.loads(out.strip().splitlines()[-1])
-                    expected = Path(where).resolve() / "prime_r3"
-                    if Path(row["package"]) != expected:
-                        raise RuntimeError(f"{arm} arm imported {row['package']}, not {expected}")
-                    results[arm].append(row)
+                    argv = ["--arm", kind, "-n", str(n)]
+                    argv += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+                    argv += ["--no-replay"] if args.no_replay else []
+                    results[arm].append(run_child(__file__, argv, paths.get(arm, str(ROOT)), arm))
+            out[str(n)] = {
+                "rounds": results,
+                "medians": {arm: medians(results[arm], PIECES) for arm in arms},
+            }
             print(
-                f"N={n}: medians of {args.rounds} rounds (fresh interpreters, alternating "
+                f"N={n}: medians of {args.rounds} rounds (fresh interpreters, rotated "
                 f"order) of each arm's mean per step over {args.steps} steps after "
                 f"{args.warmup}, ms CPU; take_calls per step"
                 + (f"; before = {args.before}" if args.before else "")
@@ -507,6 +507,7 @@ def main() -> None:
                 "  timing wrapper cost subtracted: "
                 f"{results['after'][0]['overhead_ns']:.0f} ns/call"
             )
+    write_json(args.json, "sched", vars(args), out)
 
 
 if __name__ == "__main__":

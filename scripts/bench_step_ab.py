@@ -17,8 +17,7 @@ by the bench's own ``report.summarize``:
 * ``off``: R3 off (``PRIME_R3=0``, the bench's ``r3_off``), this checkout;
 * ``before`` (with ``--before REF``): R3 on with every patch the release takes, the
   prime_r3 package of git revision REF (``git archive`` into a temporary directory first
-  on ``PYTHONPATH``, as ``bench_aux_ab.py`` does; the child reports which one it
-  imported);
+  on ``PYTHONPATH``; the child reports which one it imported);
 * ``after``: the same with this checkout's working tree;
 * ``tree`` (with ``--tree``): this checkout's overlay on a vLLM patched with this
   checkout's upstream-form diffs (``patches/``, built once per run by
@@ -35,7 +34,10 @@ Round k runs the arms rotated by k, so no arm always runs first or last. Printed
 N: medians over rounds of ``engine_cpu_ms`` (the bench's ``cpu ms``) and its ``sched`` /
 ``aux`` (and its ``begin`` / ``prepare`` / ``process`` parts) / ``transp`` / ``writer``
 per arm, then per round and as their median: each R3 arm over off, after/before and
-tree/after (each round's arms ran back to back).
+tree/after (each round's arms ran back to back), and with ``--before`` the median of
+per-round after/before of every column (``aux`` and its parts: a part neither version
+changes is the noise control; this replaces the former ``bench_aux_ab.py``).
+``--json PATH`` writes the header, every round's rows and the medians.
 """
 
 from __future__ import annotations
@@ -49,13 +51,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_aux_ab import (  # noqa: E402 - shared with it
+from benchkit import (  # noqa: E402 - the benchmarks' harness
     ROOT,
-    _arm,
-    _child,
-    _export,
+    bench_arm,
+    export_revision,
+    medians,
     print_applied,
     print_per_round,
+    rotated,
+    run_child,
+    write_json,
 )
 
 import patches as upstream_diffs  # noqa: E402 - scripts/patches.py
@@ -87,10 +92,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--warmup", type=int, default=150)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--json", metavar="PATH", help="write header, rows and medians ('-': stdout)"
+    )
     parser.add_argument("--arm", choices=("off", "on"), help=argparse.SUPPRESS)  # internal
     args = parser.parse_args()
     if args.arm:
-        row = _arm(int(args.n), args.steps, args.warmup, COLUMNS, r3=args.arm == "on")
+        row = bench_arm(int(args.n), args.steps, args.warmup, COLUMNS, r3=args.arm == "on")
         print(json.dumps(row))
         return
     args.tree = args.tree or bool(args.tree_before)
@@ -103,19 +111,20 @@ def main() -> None:
         *(("tree",) * args.tree),
         *(("tree_before",) if args.tree_before else ()),
     )
+    out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="prime_r3_step_ab_") as tmp:
         paths = dict.fromkeys(("off", "after", "tree", "tree_before"), str(ROOT))
         trees: dict[str, str | None] = dict.fromkeys(arms)
         if args.before:
             paths["before"] = str(Path(tmp) / "before")
-            _export(args.before, paths["before"])
+            export_revision(args.before, paths["before"])
         if args.tree:
             site, release = upstream_diffs.installed_site(), upstream_diffs.installed_release()
             diffs = [d.path.name for d in upstream_diffs.series(release)]
             trees["tree"] = str(upstream_diffs.apply(site, release, Path(tmp) / "tree"))
             print(f"tree: vLLM {release} + {', '.join(diffs)}", flush=True)
         if args.tree_before:
-            _export(args.tree_before, str(Path(tmp) / "before_patches"), "patches")
+            export_revision(args.tree_before, str(Path(tmp) / "before_patches"), "patches")
             old = Path(tmp) / "before_patches" / "patches"
             diffs = [d.path.name for d in upstream_diffs.series(release, old)]
             out = Path(tmp) / "tree_before"
@@ -124,17 +133,21 @@ def main() -> None:
         for n in [int(x) for x in args.n.split(",")]:
             results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
             for round_ in range(args.rounds):
-                k = round_ % len(arms)
-                for arm in arms[k:] + arms[:k]:
+                for arm in rotated(arms, round_):
                     argv = ["--arm", "off" if arm == "off" else "on", "-n", str(n)]
                     argv += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
-                    row = _child(__file__, argv, paths[arm], arm, trees[arm])
+                    row = run_child(__file__, argv, paths[arm], arm, trees[arm])
                     results[arm].append(row)
                     print(
                         f"  N={n} round {round_ + 1} {arm}: {row['engine_cpu_ms']:.3f} ms",
                         flush=True,
                     )
             _print(n, args, arms, results)
+            out[str(n)] = {
+                "rounds": results,
+                "medians": {arm: medians(results[arm], COLUMNS) for arm in arms},
+            }
+    write_json(args.json, "step-ab", vars(args), out)
 
 
 def _print(
@@ -164,6 +177,12 @@ def _print(
             for a, b in zip(results[top], results[bottom], strict=True)
         ]
         print_per_round(f"{top}/{bottom}", ratios)
+    if "before" in results:
+        pairs = list(zip(results["after"], results["before"], strict=True))
+        paired = " ".join(
+            f"{statistics.median(a[c] / b[c] for a, b in pairs):>12.3f}" for c in COLUMNS
+        )
+        print(f"{'paired a/b':>11} {paired}   (median of per-round after/before)")
     print_applied(arms, results)
 
 

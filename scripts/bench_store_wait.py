@@ -42,12 +42,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_aux_ab import (  # noqa: E402 - shared with it
+from benchkit import (  # noqa: E402 - the benchmarks' harness
     ROOT,
-    _child,
     applied_patches,
+    medians,
     print_applied,
     print_per_round,
+    rotated,
+    run_child,
+    write_json,
 )
 
 import patches as upstream_diffs  # noqa: E402 - scripts/patches.py
@@ -123,6 +126,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=150)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tree", action="store_true", help="add the upstream-form diffs' arm")
+    parser.add_argument(
+        "--json", metavar="PATH", help="write header, rows and medians ('-': stdout)"
+    )
     parser.add_argument("--arm", choices=("upstream", "prime"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.arm:
@@ -130,6 +136,7 @@ def main() -> None:
         print(json.dumps(row))
         return
     arms = ("upstream", "prime", *(("tree",) * args.tree))
+    out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="prime_r3_store_wait_") as tmp:
         tree = None
         if args.tree:
@@ -139,14 +146,18 @@ def main() -> None:
         for n in [int(x) for x in args.n.split(",")]:
             results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
             for round_ in range(args.rounds):
-                k = round_ % len(arms)
-                for arm in arms[k:] + arms[:k]:
+                for arm in rotated(arms, round_):
                     argv = ["--arm", "upstream" if arm == "upstream" else "prime", "-n", str(n)]
                     argv += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
-                    row = _child(__file__, argv, str(ROOT), arm, tree if arm == "tree" else None)
+                    row = run_child(__file__, argv, str(ROOT), arm, tree if arm == "tree" else None)
                     results[arm].append(row)
                     print(f"  N={n} round {round_ + 1} {arm}: wait {row['wait_ms']:.3f} ms/step")
             _print(n, args, arms, results)
+            out[str(n)] = {
+                "rounds": results,
+                "medians": {arm: medians(results[arm], COLUMNS) for arm in arms},
+            }
+    write_json(args.json, "store-wait", vars(args), out)
 
 
 def _print(

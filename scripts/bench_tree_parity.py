@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_aux_ab import check_vllm, child_env  # noqa: E402 - shared with it
+from benchkit import check_vllm, child_env, write_json  # noqa: E402 - the harness
 
 import patches as upstream_diffs  # noqa: E402 - scripts/patches.py
 
@@ -109,6 +109,7 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=400, help="concurrency")
     parser.add_argument("--steps", type=int, default=400, help="measured steps")
     parser.add_argument("--warmup", type=int, default=150, help="steps before the window")
+    parser.add_argument("--json", metavar="PATH", help="write header and the parity result")
     parser.add_argument("--child", metavar="OUT", help=argparse.SUPPRESS)  # internal
     args = parser.parse_args()
     if args.child:
@@ -131,6 +132,7 @@ def main() -> None:
         f"({found['preempted_requests']} preempted, {found['prefix_hit_requests']} prefix-hit)"
     )
     commits = patched["commits"]
+    write_json(args.json, "tree-parity", vars(args), {"parity": found, "commits": commits})
     if commits is not None:
         loop_body = commits["requests"] - commits["array_path"]
         print(

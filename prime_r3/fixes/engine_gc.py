@@ -1,32 +1,41 @@
-"""engine_gc: raise GC thresholds after vLLM freezes its startup heap.
+"""engine_gc: raise the GC thresholds right after vLLM freezes its startup heap.
 
-vLLM (0.31-0.33) calls ``freeze_gc_heap()`` at the end of ``EngineCore.__init__``
-and of ``Worker.compile_or_warm_up_model`` but keeps CPython's default thresholds
-(700, 10, 10), so the per-step churn of router replay triggers a collection every
-few steps. We wrap ``freeze_gc_heap`` *where those modules look it up* (it is
-imported with ``from ... import``) and set the thresholds right after upstream's
-freeze. We add no freeze of our own: upstream already freezes on every warm-up,
-and a second freeze would pin request-scoped objects forever.
+vLLM (0.31-0.33) calls ``freeze_gc_heap()`` at the end of ``EngineCore.__init__`` and
+of the worker's warm-up but keeps CPython's thresholds (700, 10, 10), so router
+replay's per-step churn triggers a collection every few steps.
 
-The API server (``lifespan`` in ``server_utils``) keeps the defaults unless
-``PRIME_R3_ENGINE_GC_API_SERVER=1``: see README for the measurement behind that.
+Replaces ``freeze_gc_heap`` where its callers look it up (each module imports it with
+``from ... import``): ``vllm.v1.engine.core``, ``vllm.v1.worker.gpu_worker`` and the
+API server's ``server_utils``; and ``EngineCore.shutdown``. Anchors: the callers
+(``EngineCore.__init__``, ``Worker.compile_or_warm_up_model``, on 0.33 also
+``Worker._compile_or_warm_up_model``, ``lifespan``) must still freeze where verified.
+The CPU worker (``CPUWorker``) overrides warm-up without a freeze: not targeted.
 
-An EngineCore can share the user's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-``InprocClient``: how colocated RL trainers run vLLM). Upstream undoes its own freeze in
-``EngineCore.shutdown`` (``gc.unfreeze()``), so the process is left as it was; we do the
-same for the thresholds: when the last EngineCore of the process that set them shuts
-down, the thresholds in place before are restored (unless someone changed them since,
-which is then their choice to keep).
+Each wrapper calls upstream's function first, with the same arguments, and returns its
+result; what it adds:
 
-"That set them" is tracked per engine object, as the upstream-form diff does with an
-attribute on the engine: the freeze wrapper finds the EngineCore whose ``__init__`` (an
-anchor of this patch, its only caller) is calling it, the nearest calling frame whose
-``self`` is an EngineCore (read, never written; held weakly). An engine built before
-the overlay was applied never froze through us, so its shutdown leaves our thresholds to
-the engines that did (counting calls instead let such an engine restore the defaults
-under a live one). An engine whose ``__init__`` fails after the freeze keeps the
-thresholds, as upstream keeps its frozen heap; a freeze from any other caller sets them
-until ``revert()``.
+* EngineCore's freeze: ``gc.set_threshold(*thresholds)``, and the engine whose
+  ``__init__`` is calling (the nearest of ``_MAX_FRAMES`` calling frames whose ``self``
+  is an ``EngineCore``; read, never written, held weakly) is recorded. A freeze no
+  engine is found for is counted as unattributed and keeps the thresholds until
+  ``revert()``.
+* the worker's freeze: the thresholds, the first time in the process only.
+* the API server's freeze: the thresholds only with ``PRIME_R3_ENGINE_GC_API_SERVER=1``
+  (default: CPython's; the measurement is in scripts/README.md).
+* ``EngineCore.shutdown``: upstream's shutdown (its ``gc.unfreeze()`` undoes the freeze),
+  then, also if it raised, a recorded engine is dropped once; when no recorded engine
+  and no unattributed freeze is left (the last in-process engine,
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the thresholds found before the first change
+  are put back, unless the live ones are no longer the ones we set (the user changed
+  them since: theirs stay). ``revert()`` restores the same way.
+
+Why the result equals upstream's: the frozen heap, the objects alive and every
+function's result are upstream's; only when collections run differs, which is the
+fix. No freeze of our own is added (upstream freezes on every warm-up; a second freeze
+would pin request-scoped objects forever). An engine built before the overlay was
+applied never froze through us, so its shutdown restores nothing; an engine whose
+``__init__`` fails after its freeze keeps the thresholds, as upstream keeps its frozen
+heap.
 """
 
 from __future__ import annotations

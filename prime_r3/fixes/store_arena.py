@@ -1,40 +1,36 @@
 """store_arena: back the aux-output store's arena with a private anonymous mapping.
 
-The writer thread (``vllm-aux-output-writer``) spends most of its time in
-``BlockObjectStore.put``, and a large part of that is the kernel, not Python: the arena
-fills slot by slot from ``_next_slot`` until the store is full (with store_headroom's
-2x, for a long time), so nearly every block a step writes lands on pages never touched
-before, and upstream's ``mmap.mmap(-1, size)`` is a *shared* anonymous mapping, whose
-first touch is a shmem page fault (page-cache insertion, shmem accounting). A private
-anonymous page fault is cheaper. Measured (scripts/bench_publish.py, medians of rounds,
-one put of 28 blocks of 5,888 bytes = one N=400 step, fresh slots): shared ~140 us,
-private ~105 us, already-touched slots ~30 us.
+The writer thread (``vllm-aux-output-writer``) spends a large part of
+``BlockObjectStore.put`` in the kernel: the arena fills slot by slot from
+``_next_slot`` until the store is full (with store_headroom's 2x, for a long time), so
+nearly every block a step writes lands on a page never touched before, and upstream's
+``mmap.mmap(-1, size)`` is a *shared* anonymous mapping, whose first touch is a shmem
+page fault. A private anonymous page fault is cheaper (figures, and the rejected
+``MADV_HUGEPAGE``, in scripts/README.md).
 
-Also measured and rejected: ``MADV_HUGEPAGE`` on the private arena (median ~32 us, one
-fault per 2 MiB) made the bench's writer *slower* on average and erratic (0.16-0.80
-ms/step against 0.23-0.28): with THP defrag at ``madvise`` (the usual default) a
-huge-page fault compacts memory synchronously, on the writer thread, holding the GIL.
-Batching the put's Python (one copy into consecutive slots) is worth less than the
-faults: see the README section.
+Replaces ``BlockObjectStore.__init__`` (0.31/0.32 and 0.33; the wrapper relies only on
+what both do: set ``_arena`` to a fresh ``mmap.mmap(-1, num_slots * object_nbytes)``
+and write nothing into it). After upstream (and store_headroom) built the store, its
+still untouched arena is replaced by ``private_arena`` of the same length (anonymous,
+``MAP_PRIVATE``, advised ``MADV_NOHUGEPAGE`` and ``MADV_WIPEONFORK``) and upstream's is
+closed.
 
-What we do: wrap ``BlockObjectStore.__init__``; after upstream (and store_headroom)
-built the store, replace its still untouched arena by an anonymous ``MAP_PRIVATE``
-mapping of the same length, and close upstream's. Both are zero-filled and never
-written yet, so no slot, key, error or payload can differ: every later read and write
-goes through the same ``mmap`` object API. Memory is the same: pages cost RSS when
-first written, as before. Private vs shared only differs across ``fork``: nothing
-shares the arena with another process (the writer thread and the step loop are its only
-users), and the private arena is wiped on fork (``MADV_WIPEONFORK``), so a forked child
-gets zeros rather than copy-on-write pages and no page is kept twice (see
-``private_arena``).
+Falls back to upstream's arena (the store is always built, as upstream builds it) when:
+the call is not on an instance; the platform lacks ``MAP_PRIVATE``, ``MAP_ANONYMOUS`` or
+``MADV_WIPEONFORK``; the store is not as upstream's ``__init__`` leaves it (``fresh``:
+an ``mmap`` of its full size, nothing stored, allocated or referenced); the kernel
+refuses the mapping or either advice (``MADV_NOHUGEPAGE`` is ``EINVAL`` on a kernel
+without THP, ``MADV_WIPEONFORK`` before Linux 4.14, ``ENOMEM`` under strict overcommit
+where both arenas exist for a moment), logged once per process. Arenas made later by
+growth (store_growth's ``grow``, 0.33's own ``put``) are upstream's shared kind.
 
-A kernel that refuses the private mapping or its advice (``MADV_NOHUGEPAGE`` is
-``EINVAL`` on a kernel built without THP; ``ENOMEM`` under strict overcommit, where both
-arenas exist for a moment) leaves the store with upstream's arena, logged once: the
-store is built as upstream builds it, never not at all.
-
-Not covered: arenas made later by growth (store_growth's ``grow`` on 0.31/0.32, 0.33's
-own ``put``) are upstream's shared kind again; growth is rare (once per doubling).
+Why the result equals upstream's: both arenas are zero-filled and never written yet, and
+every later read and write goes through the same ``mmap`` object API, so no slot, key,
+payload, eviction or error can differ. Memory is the same: pages cost RSS when first
+written, and on 4 KiB pages as upstream's shmem is (``MADV_NOHUGEPAGE``, whatever the
+machine's THP setting). Private and shared differ only across ``fork``: nothing shares
+the arena with another process, and with ``MADV_WIPEONFORK`` a forked child gets zeros
+instead of copy-on-write pages, so no page is kept twice (see ``private_arena``).
 """
 
 from __future__ import annotations

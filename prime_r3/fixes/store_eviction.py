@@ -5,30 +5,41 @@ full and every ``put`` evicts. ``_evict_to_fit`` walks the LRU from the front an
 skips keys that running requests still reference; those keys are never moved while
 they are referenced, so they pile up at the front and every put rescans all of them
 (hundreds of thousands of keys, tens of ms per put, on the writer thread that holds
-the GIL against the step loop).
+the GIL against the step loop). vLLM 0.33 takes referenced keys out of the LRU
+(``_retain`` pops them): skipped there as fixed upstream.
 
-Before upstream's ``_evict_to_fit`` runs on a full store, we walk the same window
-upstream is about to walk (from the front until ``excess`` evictable keys are seen)
-and move the referenced keys found there to the end; then upstream runs unchanged.
-This never changes which keys are evicted:
+Replaces ``BlockObjectStore._evict_to_fit`` (anchor: the whole class, see
+``aux_output``). Before upstream's ``_evict_to_fit`` runs on a store over capacity,
+``rotate_referenced`` walks the window upstream is about to walk (from the front until
+``excess`` evictable keys are seen) and moves the referenced keys found there to the
+end; then upstream runs unchanged. The leading run of referenced keys is found and
+moved at C speed (``takewhile``/``map``); only the rest of the window is walked in
+Python.
+
+Falls back to upstream alone (nothing moved) when: the call is not on an instance;
+``protected`` is not a ``set``/``frozenset`` (upstream's ``put`` always passes a set;
+anything else, whose ``in`` might raise part-way, must not have reordering precede an
+error upstream raises on its own); the store is not over capacity. When every key is
+referenced, the whole LRU is moved to the end in its own order (the same order) and
+upstream decides what to raise.
+
+Why the victims are upstream's exactly:
 
 * a referenced key cannot be a victim, wherever it sits;
-* the relative order of unreferenced keys (the only order eviction reads) is kept;
+* the relative order of unreferenced keys (the only order eviction reads) is kept, and
+  an unreferenced protected key stays where it is;
 * a key becomes unreferenced only in ``put``'s release step, which moves it to the
   end anyway, so its earlier position is forgotten.
 
-The one exception is a caller bug: a ``put`` whose ``release_keys`` over-releases a
-key raises ``KeyError`` part-way, and keys released earlier in that call keep
-whatever position they had. vLLM's writer thread treats any store error as fatal.
+The one exception is a caller bug: a ``put`` whose ``release_keys`` over-releases a key
+raises ``KeyError`` part-way, and keys released earlier in that call keep whatever
+position they had; vLLM's writer thread treats any store error as fatal.
 
-Cost: moved keys sit behind every key that is evictable now, so each is moved once
-per pass of the eviction front through the LRU instead of scanned on every put. The
-typical put scans about ``excess`` keys whatever the number of live keys; amortised,
-a put moves ``batch * live / (slots - live)`` keys, at most ``batch`` once
-store_headroom keeps live keys under half the slots. The leading run of referenced
-keys is found and moved at C speed (``takewhile``/``map``); only the rest of the
-window is walked in Python.
-vLLM 0.33 takes referenced keys out of the LRU altogether (``_retain`` pops them).
+Cost: moved keys sit behind every key that is evictable now, so each is moved once per
+pass of the eviction front through the LRU instead of scanned on every put. The typical
+put scans about ``excess`` keys whatever the number of live keys; amortised, a put
+moves ``batch * live / (slots - live)`` keys, at most ``batch`` once store_headroom
+keeps live keys under half the slots.
 """
 
 from __future__ import annotations

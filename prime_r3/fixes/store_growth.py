@@ -2,29 +2,38 @@
 
 In vLLM 0.31-0.32, when the keys referenced by running requests (plus the batch being
 put) outnumber the store's slots, ``put`` raises ``BlockObjectStoreError`` on the
-writer thread and the engine dies. An RL run at 100% KV cache hits this. vLLM 0.33
-grows the arena instead; we do the same on 0.31-0.32.
+writer thread and the engine dies (an RL run at 100% KV cache hits this). vLLM 0.33
+grows the arena instead: skipped there as fixed upstream.
 
-Semantics, mirroring 0.33 (``BlockObjectStore.put`` there):
+Replaces ``BlockObjectStore.put`` (anchor: the whole class; the retry relies on
+``_retain``, ``_release`` and ``_evict_to_fit`` exactly as they are). The common put is
+upstream's call, with the same arguments, and its result. When it raises
+``BlockObjectStoreError`` (only ``_evict_to_fit`` raises it inside ``put``, after
+upstream iterated the objects, the retains and the releases to the end, applied
+retain/release, moved the batch's existing keys to the end and dropped its new keys):
+the reference counts are undone exactly (from the arguments), the arena grows
+(``grow``), and upstream's ``put`` runs again with what the first run consumed.
 
-* capacity grows to ``max(objects needed, 2 * current)``: amortised doubling;
-* the arena is a new anonymous ``mmap`` with the used prefix copied over (untouched
-  pages still cost no RSS), and ``num_slots`` follows it;
-* one warning per growth.
+Growth mirrors 0.33's ``put``: capacity ``max(objects needed, 2 * current)``; a new
+anonymous ``mmap`` with the used prefix copied (untouched pages cost no RSS; the arena
+is swapped between the two runs because upstream's ``put`` holds ``self._arena`` in a
+local, and ``mmap.resize`` of a shared anonymous map SIGBUSes past the old end in
+CPython 3.11); ``num_slots`` follows; one warning per growth. One deliberate difference:
+0.33 first evicts every evictable key, then grows; this grows without evicting (in 0.33
+an unreferenced key is garbage because the scheduler holds cached blocks' keys as
+references; in 0.31/0.32 it may still back a prefix-cache hit).
 
-One deliberate difference: 0.33 first evicts every evictable key, then grows. We grow
-without evicting anything ("keeps every key"). In 0.33 the scheduler holds the keys
-of KV-cached blocks as references, so an unreferenced key is garbage there; 0.32 has
-no such retention and an unreferenced key may still back a prefix-cache hit.
+Falls back to upstream alone when: the call is not on an instance, or not upstream's
+calling convention (one positional argument; keywords ``retain_keys``/``release_keys``
+only); the error is not for lack of room (``needed <= num_slots``) or the store is
+closed (``_arena is None``): the error is re-raised as upstream raised it. Arguments
+are consumed as upstream consumes them (``_replayable``): lists and tuples as is, any
+other iterable through a recording generator, so a closed store consumes nothing and
+an iterator that raises leaves upstream's partial state.
 
-How: the upstream ``put`` reads ``self._arena`` into a local before evicting, so the
-arena cannot be swapped inside ``_evict_to_fit`` (and ``mmap.resize`` on a shared
-anonymous map SIGBUSes on access past the old end in CPython 3.11). We wrap ``put``:
-when it raises for lack of room, upstream has already applied retain/release, moved
-the batch's existing keys to the end and dropped its new keys. We undo the reference
-counts (exact, from the arguments), grow, and run ``put`` again. The second run moves
-the batch and terminal keys to the end in the same order a single run on a bigger
-store would, and evicts nothing, so the result is exactly that single run's.
+Why the result equals upstream's on a big enough store: the second run moves the batch
+and terminal keys to the end in the order one run on a bigger store would, and evicts
+nothing, so keys, payloads, references and LRU order are that single run's.
 """
 
 from __future__ import annotations

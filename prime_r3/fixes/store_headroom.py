@@ -4,32 +4,33 @@ vLLM 0.31-0.32 size the routed-experts ``BlockObjectStore`` to exactly the KV ca
 (``num_blocks * hashes per block * bytes per block``). At 100% KV the rows referenced
 by running requests plus the batch being published can exceed that, and ``put``
 raises on the writer thread (the engine dies); below that, a store with no slack is
-always full, so every put evicts. We multiply the derived size by a factor
-(``PRIME_R3_STORE_HEADROOM_FACTOR``, default 2, at most 8: see ``MAX_FACTOR``). The
-arena is an anonymous mmap, so only slots that are written cost RSS: the headroom is
-address space until used.
+always full, so every put evicts. vLLM 0.33 still sizes it at 1x but grows on demand
+and keeps referenced keys out of the LRU: skipped there as fixed upstream.
 
-If the user set ``aux_output_config.max_bytes`` we keep their value unchanged (an
-explicit size is a decision, often a memory budget) and log that no headroom was
-added; ``store_growth`` still keeps such a store from failing.
+Replaces ``AuxOutputWorkerConnector.__init__`` and ``BlockObjectStore.__init__``. The
+connector wrapper reads nothing: it keeps the ``vllm_config`` argument in a ContextVar
+(per thread, never on vLLM's modules) for the duration of upstream's ``__init__`` and
+resets it when that returns. The store wrapper, inside that context, builds the store
+with ``max_bytes`` = ``headroom_slots(max_bytes // object_nbytes, factor) *
+object_nbytes`` (``PRIME_R3_STORE_HEADROOM_FACTOR``, default 2, at most ``MAX_FACTOR``)
+and logs the capacity once. Upstream reads ``aux_output_config.max_bytes`` only on the
+TP output rank, just before it builds the store, so the store wrapper reads it there,
+after upstream has: on other ranks (which build no store) nothing of the config is
+touched, and a config upstream accepts is accepted with the overlay too.
 
-Where: ``AuxOutputWorkerConnector.__init__`` is wrapped to open a context (a
-ContextVar, so per thread and never stored on vLLM's modules), and
-``BlockObjectStore.__init__`` applies the factor only inside that context. Anyone
-else constructing a ``BlockObjectStore`` gets upstream's behaviour.
+Falls back to upstream's own call, unchanged, when: no connector is being built (anyone
+else constructing a store); the connector's call is not upstream's keyword-only one
+(no ``vllm_config`` keyword); the context already built its one store; arguments are
+positional; ``max_bytes`` or ``object_nbytes`` is not an ``int``; ``object_nbytes <= 0``
+or ``max_bytes < object_nbytes`` (upstream rejects it with its own error). With an
+explicit ``aux_output_config.max_bytes`` (a memory budget) the store is upstream's size,
+logged as "no headroom added" (``store_growth`` still keeps it from failing). Any other
+keyword goes through as given, so upstream rejects it as it would.
 
-The connector wrapper reads nothing: it only keeps the ``vllm_config`` argument in
-the context for the duration of the call. Upstream reads
-``aux_output_config.max_bytes`` only on the TP output rank, just before it builds the
-store, so the store wrapper reads it there, after upstream has: on other ranks (which
-build no store) nothing of the config is touched, and a config upstream accepts there
-is accepted with the overlay too. The context is reset when ``__init__`` returns, so
-nothing is kept alive past the call.
-
-vLLM 0.33 still sizes the store at 1x KV (worker.py is unchanged) but no longer needs
-slack: the overflow that killed the engine is gone (the store grows on demand) and a
-full store no longer costs a rescan (referenced keys leave the LRU). The problem this
-patch exists for is fixed upstream there, so 0.33 skips it with that reason.
+Why the result equals upstream's except in size: the store is upstream's class built by
+upstream's ``__init__``, with only ``max_bytes`` changed; the arena is an anonymous
+mmap, so only written slots cost RSS (at most factor x KV tokens x MoE layers x top-k x
+itemsize on the output worker): the headroom is address space until used.
 """
 
 from __future__ import annotations

@@ -1,40 +1,36 @@
-"""The worker-side R3 cost (``prime-r3 bench``'s ``aux`` column) of two prime_r3 versions.
+"""The benchmarks' one harness: fresh interpreters per arm, rotated rounds, medians, JSON.
 
-    .venv/bin/python scripts/bench_aux_ab.py --before REF [-n 400,1000] [--rounds 5]
-                                             [--steps 200] [--warmup 100]
+The benchmarks under ``scripts/`` that compare arms in separate processes build on this
+module (``prime-r3 bench NAME`` prints ``header_line`` before any benchmark runs):
 
-Issue 10 asks for ``aux`` <= 0.35 ms per step at N=400. A change to the worker's fast
-paths is judged against the version before it on the same machine in the same run:
-this machine's cores are shared, and load drifts by tens of percent within minutes,
-so figures from separate runs do not compare.
+* ``run_child``: one arm in a fresh interpreter, with a given checkout (or a ``git
+  archive`` of a revision, ``export_revision``) and optionally a patched vLLM tree first
+  on ``PYTHONPATH``; the child prints one JSON row, and the row must say it imported the
+  prime_r3 and the vLLM it was meant to (else the arm measured other code).
+* ``rotated``: round k runs the arms rotated by k, so no arm always runs first or last
+  (in one fixed order the last arm ran ~12% slow in every column on this machine).
+* ``medians`` / ``print_per_round``: medians over rounds, and per-round ratios of arms
+  that ran back to back (drift between rounds cancels in those).
+* ``header`` / ``write_json``: every result names the vLLM release, Python, the prime_r3
+  commit, the date and the machine's cores; ``--json PATH`` writes it with the rows.
 
-Arms, each a fresh interpreter running the bench's real engine loop
-(``prime_r3.bench.loop.run``, R3 on, every patch this release takes, as the prime arm
-of ``prime-r3 bench``; same workload and seed):
-
-* ``before``: the prime_r3 package of git revision ``--before`` (``git archive`` into a
-  temporary directory put first on ``PYTHONPATH``; the child checks which one it
-  imported).
-* ``after``: this checkout's working tree.
-
-Rounds alternate the order (A B, B A, ...) so drift hits both arms alike. Printed per
-N: medians over rounds of ``aux`` and its parts (``begin_step``, ``prepare_output``,
-``process_output``, main-thread CPU per step, ms) per arm, after / before of the
-medians, the median of each round's after / before (its two runs were back to back),
-and each round's ``aux``. A part neither version changes is the noise control.
+The module lives beside the scripts, not in the ``prime_r3`` package: an arm of another
+revision imports *that* revision's prime_r3, which may not have it.
 """
 
 from __future__ import annotations
 
-import argparse
+import datetime
+import importlib.metadata
 import importlib.util
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
 import tarfile
-import tempfile
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 COLUMNS = ("aux_ms", "aux_begin_ms", "aux_prepare_ms", "aux_process_ms")
 
 
-def _arm(
+def bench_arm(
     n: int, steps: int, warmup: int, columns: tuple[str, ...] = COLUMNS, r3: bool = True
 ) -> dict[str, Any]:
     """One arm in this (fresh) interpreter: the bench's steady-window summary's
     ``columns``; the prime arm, or with ``r3=False`` the bench's ``r3_off``
-    (``PRIME_R3=0``). Also used by ``bench_step_ab.py``."""
+    (``PRIME_R3=0``)."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if not r3:
@@ -85,13 +81,25 @@ def applied_patches() -> list[str]:
     ]
 
 
+def rotated(arms: Sequence[str], round_: int) -> list[str]:
+    """The arms in round ``round_``'s order: rotated by the round's index."""
+    k = round_ % len(arms)
+    return [*arms[k:], *arms[:k]]
+
+
+def medians(rows: Iterable[dict[str, Any]], columns: Iterable[str]) -> dict[str, float]:
+    """Each column's median over ``rows`` (one row per round)."""
+    rows = list(rows)
+    return {c: statistics.median(r[c] for r in rows) for c in columns}
+
+
 def print_per_round(label: str, ratios: list[float]) -> None:
     """One line: each round's ratio (its arms ran back to back) and their median."""
     rounds = " ".join(f"{x:.3f}" for x in ratios)
     print(f"  {label} per round: {rounds}   median {statistics.median(ratios):.3f}")
 
 
-def print_applied(arms: tuple[str, ...], results: dict[str, list[dict[str, Any]]]) -> None:
+def print_applied(arms: Sequence[str], results: dict[str, list[dict[str, Any]]]) -> None:
     """Each arm's applied patches (every distinct list its rounds reported), so it is
     plain which code ran."""
     for arm in arms:
@@ -99,7 +107,7 @@ def print_applied(arms: tuple[str, ...], results: dict[str, list[dict[str, Any]]
         print(f"  {arm} applied: " + " | ".join(", ".join(a) or "(none)" for a in applied))
 
 
-def _child(
+def run_child(
     script: str, argv: list[str], path: str, arm: str, vllm_tree: str | None = None
 ) -> dict[str, Any]:
     """Run ``script argv`` in a fresh interpreter with ``path`` first on ``PYTHONPATH``
@@ -139,19 +147,19 @@ def check_vllm(arm: str, vllm: str, vllm_tree: str | None) -> None:
     found = Path(vllm)
     if vllm_tree is not None and found != Path(vllm_tree).absolute() / "vllm":
         raise RuntimeError(f"{arm} arm imported vllm from {found}, not the tree {vllm_tree}")
-    if vllm_tree is None and found.parent != Path(_installed_vllm()).parent:
+    if vllm_tree is None and found.parent != Path(installed_vllm()).parent:
         raise RuntimeError(f"{arm} arm imported vllm from {found}, not the installed one")
 
 
-def _installed_vllm() -> str:
+def installed_vllm() -> str:
     """Where this interpreter's own ``vllm`` package is (without importing it)."""
     spec = importlib.util.find_spec("vllm")
     assert spec is not None and spec.origin is not None, "vllm is not installed"
     return str(Path(spec.origin).parent.absolute())
 
 
-def _export(ref: str, into: str, path: str = "prime_r3") -> None:
-    """``path`` (``prime_r3/`` by default) as of ``ref`` into ``into``."""
+def export_revision(ref: str, into: str, path: str = "prime_r3") -> None:
+    """``path`` (``prime_r3/`` by default) as of git revision ``ref`` into ``into``."""
     Path(into).mkdir(parents=True, exist_ok=True)
     archive = Path(into) / "src.tar"
     with archive.open("wb") as handle:
@@ -160,52 +168,55 @@ def _export(ref: str, into: str, path: str = "prime_r3") -> None:
         tar.extractall(into, filter="data")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before", required=True, help="git revision of the 'before' arm")
-    parser.add_argument("-n", default="400", help="comma list of concurrencies")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--arm", action="store_true", help=argparse.SUPPRESS)  # internal
-    args = parser.parse_args()
-    if args.arm:
-        print(json.dumps(_arm(int(args.n), args.steps, args.warmup)))
+def _commit() -> str:
+    """This checkout's commit, ``+dirty`` when the working tree differs from it."""
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+        run.check_returncode()
+        return run.stdout.strip()
+
+    try:
+        rev = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return rev + ("+dirty" if dirty else "")
+
+
+def header() -> dict[str, Any]:
+    """What every result is stamped with: the vLLM release, Python, prime_r3's commit,
+    the date (UTC) and the machine's cores (read from metadata: no vLLM import)."""
+    try:
+        release = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        release = None
+    return {
+        "vllm": release,
+        "python": platform.python_version(),
+        "prime_r3": _commit(),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpus": os.cpu_count(),
+    }
+
+
+def header_line(title: str, stamp: dict[str, Any] | None = None) -> str:
+    """``title`` and the header, one line (what each benchmark prints first)."""
+    h = header() if stamp is None else stamp
+    return (
+        f"{title}: vLLM {h['vllm']}, Python {h['python']}, prime_r3 {h['prime_r3']}, "
+        f"{h['date']}, {h['cpus']} cores"
+    )
+
+
+def write_json(path: str | None, benchmark: str, args: dict[str, Any], data: Any) -> None:
+    """With ``path`` (``-``: stdout), write ``{"header", "benchmark", "args", "data"}``."""
+    if not path:
         return
-    with tempfile.TemporaryDirectory(prefix="prime_r3_before_") as before_dir:
-        _export(args.before, before_dir)
-        paths = {"before": before_dir, "after": str(ROOT)}
-        for n in [int(x) for x in args.n.split(",")]:
-            results: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
-            for round_ in range(args.rounds):
-                order = ("before", "after") if round_ % 2 == 0 else ("after", "before")
-                for arm in order:
-                    argv = ["--arm", "-n", str(n), "--before", "-", "--steps", str(args.steps)]
-                    argv += ["--warmup", str(args.warmup)]
-                    results[arm].append(_child(__file__, argv, paths[arm], arm))
-            print(
-                f"N={n}: medians of {args.rounds} rounds (alternating order), "
-                f"{args.steps} steps after {args.warmup}; before = {args.before}"
-            )
-            print(f"{'arm':>8} " + " ".join(f"{c[:-3]:>12}" for c in COLUMNS))
-            med = {
-                arm: {c: statistics.median(r[c] for r in results[arm]) for c in COLUMNS}
-                for arm in results
-            }
-            for arm in ("before", "after"):
-                print(f"{arm:>8} " + " ".join(f"{med[arm][c]:>12.3f}" for c in COLUMNS))
-            ratio = " ".join(f"{med['after'][c] / med['before'][c]:>12.3f}" for c in COLUMNS)
-            print(f"{'after/b':>8} {ratio}")
-            # Each round's two runs ran back to back: their ratio cancels slower drift.
-            pairs = list(zip(results["after"], results["before"], strict=True))
-            paired = " ".join(
-                f"{statistics.median(a[c] / b[c] for a, b in pairs):>12.3f}" for c in COLUMNS
-            )
-            print(f"{'paired':>8} {paired}   (median of per-round after/before)")
-            for arm in ("before", "after"):
-                rounds = " ".join(f"{r['aux_ms']:.3f}" for r in results[arm])
-                print(f"  {arm} aux per round: {rounds}")
-
-
-if __name__ == "__main__":
-    main()
+    text = json.dumps(
+        {"header": header(), "benchmark": benchmark, "args": args, "data": data}, indent=2
+    )
+    if path == "-":
+        print(text)
+    else:
+        Path(path).write_text(text + "\n")

@@ -9,7 +9,9 @@ Replaces ``freeze_gc_heap`` where its callers look it up (each module imports it
 API server's ``server_utils``; and ``EngineCore.shutdown``. Anchors: the callers
 (``EngineCore.__init__``, ``Worker.compile_or_warm_up_model``, on 0.33 also
 ``Worker._compile_or_warm_up_model``, ``lifespan``) must still freeze where verified.
-The CPU worker (``CPUWorker``) overrides warm-up without a freeze: not targeted.
+The CPU worker (``CPUWorker``) overrides warm-up without a freeze, so in a vLLM CPU
+worker process (``VllmWorker-<rank>`` on the CPU platform) the patch is reported skipped
+with that reason (``_no_effect_here``) rather than installed there for nothing.
 
 Each wrapper calls upstream's function first, with the same arguments, and returns its
 result; what it adds:

@@ -12,7 +12,11 @@ import os
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
+import random  # noqa: E402
+import threading  # noqa: E402
+import types  # noqa: E402
 from collections import Counter  # noqa: E402
+from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
 import wrapt  # noqa: E402
@@ -111,7 +115,7 @@ def test_the_trimmed_metadata_keeps_the_packed_reader_declaration(
     connector.begin_step(AuxOutputConnectorMetadata(0, {"a": 0, "b": 0}, {}, ()))
     metadata = AuxOutputConnectorMetadata(0, {"c": 5, "a": 0, "b": 0}, {}, ())
     setattr(metadata, READS_MARK, FORMAT_VERSION)
-    trimmed = batched_begin._trim(connector, metadata)
+    trimmed = batched_begin._trim(connector, metadata, metadata.requests)
     assert trimmed is not None
     known, new = trimmed
     assert known == 2 and list(new.requests) == ["c"]
@@ -131,9 +135,9 @@ def test_worker_states_are_read_under_the_connector_lock(
     held = []
     trim = batched_begin._trim
 
-    def recording_trim(instance, metadata):  # noqa: ANN001, ANN202
+    def recording_trim(instance, metadata, scheduled):  # noqa: ANN001, ANN202
         held.append(instance._lock.locked())
-        return trim(instance, metadata)
+        return trim(instance, metadata, scheduled)
 
     reverted.setattr(batched_begin, "_trim", recording_trim)
     connector.begin_step(AuxOutputConnectorMetadata(0, {"c": 5, "a": 0, "b": 0}, {}, ()))
@@ -204,3 +208,105 @@ def test_new_requests_among_known_ones_keep_the_scheduler_order(
     counts = batched_begin.COUNTERS.snapshot()
     assert counts["fallback_reasons"] == {"new": 40 + len(new_at), "step": 40 + len(new_at)}
     assert counts["fast_requests"] == 40, counts
+
+
+def _begin_in_thread(connector: object, metadata: object) -> list[object]:
+    """begin_step(metadata) on another thread while this one holds the connector lock:
+    returns what it returned or raised, or nothing when it blocked on the lock."""
+    done: list[object] = []
+
+    def run() -> None:
+        try:
+            done.append(connector.begin_step(metadata))
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            done.append(error)
+
+    with connector._lock:
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(timeout=5)
+        blocked = thread.is_alive()
+    thread.join()
+    return [] if blocked else done
+
+
+@pytest.mark.parametrize("rank", ["non_output_rank", "no_metadata"])
+def test_begin_step_reads_and_locks_nothing_where_upstream_returns_at_once(
+    reverted: pytest.MonkeyPatch, rank: str
+) -> None:
+    """Upstream's begin_step stores the metadata and returns when there is no data plane
+    (a non-output rank) or no metadata: it reads nothing of the metadata and takes no
+    lock. vLLM's own test_aux_output_worker_connector_binds_capture_on_non_output_rank
+    hands a Mock (``len()`` of its ``requests`` raised); the lock held by another thread
+    must not block the call."""
+    _apply("batched_begin")
+    batched_begin.COUNTERS.reset()
+    connector = harness.make_connector(harness.Shape(), reference=False)
+    metadata: object = None
+    if rank == "non_output_rank":
+        connector._buffer = None
+        metadata = mock.Mock()  # any attribute read would return a Mock; len() raises
+    assert _begin_in_thread(connector, metadata) == [None]
+    assert connector._step_metadata is metadata
+    if isinstance(metadata, mock.Mock):
+        assert metadata.mock_calls == [] and not metadata.method_calls
+        assert "requests" not in vars(metadata)["_mock_children"]
+    assert batched_begin.COUNTERS.snapshot()["fallback_requests"] == 0
+    connector.close()
+
+
+def test_malformed_metadata_gets_upstreams_error_not_the_wrappers(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """Requests that are not a dict, or a metadata missing a field: the wrapper reads
+    nothing that raises first, so the error is upstream's own (same type and message as
+    the unpatched call)."""
+    errors: dict[bool, list[str]] = {}
+    for patched in (False, True):
+        if patched:
+            _apply("batched_begin")
+        connector = harness.make_connector(harness.Shape(), reference=False)
+        errors[patched] = []
+        for metadata in (
+            AuxOutputConnectorMetadata(0, ["a"], {}, ()),  # type: ignore[arg-type]
+            types.SimpleNamespace(requests={"a": 0}),
+            types.SimpleNamespace(generation=0, requests={"a": 0}, finished_requests=5),
+        ):
+            try:
+                connector.begin_step(metadata)
+            except Exception as error:  # noqa: BLE001 - compared below
+                errors[patched].append(f"{type(error).__name__}: {error}")
+            else:
+                errors[patched].append("no error")
+        connector.close()
+    assert errors[True] == errors[False]
+    assert all(e != "no error" for e in errors[False]), errors
+
+
+def test_the_settled_check_is_upstreams_loop() -> None:
+    """``_settled`` (one C-level pass, then upstream's question only where it fails) is
+    ``settled_reference`` (upstream's loop on the same states) on random states: known
+    and new requests, steps in flight, cursors behind, equal to and ahead of the start."""
+    rng = random.Random(27)
+    state = aux_worker._WorkerRequestState
+    for _ in range(2000):
+        states = {
+            f"r{i}": state(emit_cursor=rng.randrange(6), pending_outputs=rng.choice((0, 0, 1)))
+            for i in range(rng.randrange(6))
+        }
+        scheduled = {f"r{i}": rng.randrange(6) for i in rng.sample(range(8), rng.randrange(1, 8))}
+        fast = batched_begin._settled(states, scheduled)
+        assert fast == batched_begin.settled_reference(states, scheduled), (states, scheduled)
+
+
+def test_new_requests_are_taken_in_upstreams_order() -> None:
+    """``_in_order`` (the tail slice when the new requests are last) equals the reference
+    comprehension upstream's order gives, wherever the new requests are."""
+    rng = random.Random(7)
+    for _ in range(500):
+        keys = [f"r{i}" for i in range(rng.randrange(1, 12))]
+        rng.shuffle(keys)
+        scheduled = {k: i for i, k in enumerate(keys)}
+        unknown = set(rng.sample(keys, rng.randrange(1, len(keys) + 1)))
+        expected = {r: e for r, e in scheduled.items() if r in unknown}
+        assert list(batched_begin._in_order(scheduled, unknown).items()) == list(expected.items())

@@ -941,3 +941,137 @@ def test_differential_parity_other_blocks_and_tiny_pools(
     if free_slots is not None:  # the pool ran dry, and short steps went upstream whole
         assert ends["auxiliary output block pool is exhausted"] > 0, ends
         assert counts["fallback_reasons"].get("step", 0) > 0, counts
+
+
+def _small_decode_step(connector: Any) -> Any:
+    """Eight known requests one token into their blocks, each decoding one token."""
+    n, block = 8, connector._buffer.block_size
+    ids = [f"r{i}" for i in range(n)]
+    starts = [block * i + 1 for i in range(n)]
+    connector.begin_step(AuxOutputConnectorMetadata(0, dict(zip(ids, starts, strict=True)), {}, ()))
+    rng = np.random.default_rng(3)
+    shape = tuple(connector._buffer.shape_per_token)
+    for request_id, start in zip(ids, starts, strict=True):
+        state = connector._requests[request_id]
+        state.capture_cursor = state.scheduled_cursor = state.emit_cursor = start
+        connector._buffer.capture(
+            request_id, start - 1, rng.integers(0, 9, (1, *shape)).astype(connector._buffer.dtype)
+        )
+        state.pending_outputs += 1
+    rows = rng.integers(0, 9, (n, *shape)).astype(connector._buffer.dtype)
+    pending = _decode_pending(connector, ids, starts, list(range(n + 1)), rows)
+    connector._pending_outputs.append(pending)
+    return pending
+
+
+@pytest.mark.parametrize("how", ["subclass", "instance", "wrapped_after_apply"])
+def test_a_capture_that_is_not_upstreams_is_called_as_upstream_calls_it(
+    reverted: pytest.MonkeyPatch, how: str
+) -> None:
+    """Upstream's loop calls ``buffer.capture`` through the object, once per request: a
+    subclass's capture, one set on the instance, or a wrapper added to the class after
+    apply sees every call it sees under upstream (the fast path made none), with the
+    same outputs; the step is counted as ``capture_overridden``."""
+    from vllm.distributed.aux_output_connector.routed_experts import RoutedExpertsBuffer
+
+    original = RoutedExpertsBuffer.capture
+    results = {}
+    for reference in (True, False):
+        if not reference:
+            _apply("batched_commit")
+            batched_commit.COUNTERS.reset()
+        calls: list[str] = []
+
+        def counting(self: Any, request_id: Any, *rest: Any, _calls: list = calls) -> Any:
+            _calls.append(request_id)
+            return original(self, request_id, *rest)
+
+        connector = harness.make_connector(harness.Shape(), reference=False)
+        buffer = connector._buffer
+        if how == "subclass":
+            buffer.__class__ = type("Counting", (RoutedExpertsBuffer,), {"capture": counting})
+        elif how == "instance":
+            buffer.capture = counting.__get__(buffer)
+        else:
+            reverted.setattr(RoutedExpertsBuffer, "capture", counting)
+        pending = _small_decode_step(connector)
+        calls.clear()  # the setup's captures
+        outputs = connector.process_output(pending)
+        results[reference] = (
+            calls,
+            {r: (o.token_start, o.rows.tolist()) for r, o in outputs.items()},
+            harness.worker_state(connector),
+        )
+        connector.close()
+        if how == "wrapped_after_apply":
+            reverted.setattr(RoutedExpertsBuffer, "capture", original)
+    assert results[False] == results[True]
+    assert len(results[True][0]) == 8
+    assert batched_commit.COUNTERS.snapshot()["fallback_reasons"] == {"capture_overridden": 8}
+
+
+def test_ids_that_are_not_a_list_get_upstreams_error(reverted: pytest.MonkeyPatch) -> None:
+    """``request_ids`` that ``len`` refuses (a Mock): the wrapper reads nothing of it
+    before upstream, whose own ``zip`` raises; the step is counted once."""
+    from unittest import mock
+
+    errors = {}
+    for reference in (True, False):
+        if not reference:
+            _apply("batched_commit")
+            batched_commit.COUNTERS.reset()
+        connector = harness.make_connector(harness.Shape(), reference=False)
+        pending = _small_decode_step(connector)
+        pending.request_ids = mock.Mock()
+        try:
+            connector._commit_output(pending)
+        except Exception as error:  # noqa: BLE001 - compared below
+            errors[reference] = harness.error_of(error)
+        connector.close()
+    assert errors[False] == errors[True] and errors[True][0] == "TypeError", errors
+    assert batched_commit.COUNTERS.snapshot()["fallback_reasons"] == {"step": 1}
+
+
+def test_fallback_outputs_are_views_of_the_step_as_upstreams_are(
+    reverted: pytest.MonkeyPatch,
+) -> None:
+    """Two fallback requests (drafts with a rejected suffix) around a fast decode: the
+    sub-step gathers their rows (not contiguous), and upstream's loop cuts their outputs
+    from that copy. Upstream's outputs are views of the step's snapshot, so the outputs
+    here must be too (not of the gather, which they would keep alive), with the same
+    rows, on the dict path."""
+    results = {}
+    for reference in (True, False):
+        if not reference:
+            _apply("batched_commit")
+            batched_commit.COUNTERS.reset()
+        connector = harness.make_connector(harness.Shape(), reference=False)
+        ids = ["d0", "f", "d1"]
+        starts = [1, 5, 9]  # one row buffered in each block
+        connector.begin_step(
+            AuxOutputConnectorMetadata(0, dict(zip(ids, starts, strict=True)), {}, ())
+        )
+        rng = np.random.default_rng(11)
+        for request_id, start in zip(ids, starts, strict=True):
+            state = connector._requests[request_id]
+            state.capture_cursor = state.scheduled_cursor = state.emit_cursor = start
+            connector._buffer.capture(request_id, start - 1, np.zeros((1, 3, 2), np.uint16))
+            state.pending_outputs += 1
+        qsl = [0, 3, 4, 7]  # d0: 3 tokens, f: 1, d1: 3
+        snapshot = rng.integers(1, 9, (7, 3, 2)).astype(np.uint16)
+        pending = _decode_pending(connector, ids, starts, qsl, snapshot)
+        pending.num_rejected = np.array([1, 0, 1], dtype=np.int32)  # drafts cut by one
+        connector._pending_outputs.append(pending)
+        outputs = connector.process_output(pending)
+        assert isinstance(outputs, dict) and not isinstance(outputs, PackedAuxOutputs)
+        results[reference] = (
+            {r: (int(o.token_start), o.rows.tolist()) for r, o in outputs.items()},
+            {
+                r: batched_commit._root(o.rows) is batched_commit._root(snapshot)
+                for r, o in outputs.items()
+            },
+        )
+        connector.close()
+    assert results[False] == results[True]
+    assert all(results[True][1].values()), results[True]
+    assert batched_commit.COUNTERS.snapshot()["fast_requests"] == 1

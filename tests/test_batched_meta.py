@@ -532,3 +532,91 @@ def test_with_packed_outputs_stacked_under_it(
         assert unmarked == expected, f"seed {seed}: {_first_difference(expected, unmarked)}"
         assert_same_rows(expected_rows, got_rows, f"seed {seed}")
     assert batched_meta.COUNTERS.snapshot()["fast_requests"] > 0
+
+
+class _CountsHidden:
+    """A request mixin whose token counts are its own (say, a draft token held back):
+    upstream reads ``num_tokens`` / ``num_output_tokens``, never the lists behind them."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids) - 1
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids) - 1
+
+
+class _DuckRequest:
+    """What upstream's build_connector_meta reads of a request, and nothing else."""
+
+    def __init__(self, request: Any) -> None:
+        self.request_id = request.request_id
+        self.block_hashes = request.block_hashes
+        self.sampling_params = request.sampling_params
+        self.num_prompt_tokens = request.num_prompt_tokens
+        self.num_computed_tokens = request.num_computed_tokens
+        self._counts = (request.num_tokens, request.num_output_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._counts[0]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._counts[1]
+
+
+@pytest.mark.parametrize("kind", ["subclass", "duck_typed"])
+def test_requests_are_read_through_their_token_count_properties(
+    kind: str, reverted: pytest.MonkeyPatch
+) -> None:
+    """A Request subclass with its own counts gets upstream's emit starts (the lists'
+    lengths gave others), and a duck-typed request with only what upstream reads works
+    (``_all_token_ids`` raised AttributeError)."""
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+    from tests.test_packed_outputs import real_vllm
+
+    real = real_vllm()
+    requests = _requests(real, 24)
+    for request_id, request in list(requests.items()):
+        if kind == "subclass":
+            request.__class__ = type("Hidden", (_CountsHidden, type(request)), {})
+        else:
+            requests[request_id] = _DuckRequest(request)
+    sent = _sent_all(requests)
+    connector = real.scheduler.aux_output_connector
+    upstream = AuxOutputSchedulerConnector.build_connector_meta
+    expected = _outcome(upstream, _connector_copy(connector, sent), _step(requests), requests)
+    assert expected[0][0] == "ok", expected
+    prime_r3.apply(["batched_meta"], log=False)
+    batched_meta.COUNTERS.reset()
+    patched = AuxOutputSchedulerConnector.build_connector_meta
+    got = _outcome(patched, _connector_copy(connector, sent), _step(requests), requests)
+    assert got == expected
+    assert batched_meta.COUNTERS.snapshot()["fast_requests"] > 0
+
+
+def test_a_malformed_step_gets_upstreams_error(reverted: pytest.MonkeyPatch) -> None:
+    """``num_scheduled_tokens`` that is not a dict (here a Mock): the wrapper hands the
+    step to upstream without calling ``len`` on it first, so the error is upstream's."""
+    from unittest import mock
+
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+    from tests.test_packed_outputs import real_vllm
+
+    real = real_vllm()
+    requests = _requests(real, 24)
+    scheduler_output = _step(requests)
+    scheduler_output.num_scheduled_tokens = mock.Mock()
+    connector = real.scheduler.aux_output_connector
+    upstream = AuxOutputSchedulerConnector.build_connector_meta
+    expected = _outcome(upstream, _connector_copy(connector, {}), scheduler_output, requests)
+    assert expected[0][0] == "raise", expected
+    prime_r3.apply(["batched_meta"], log=False)
+    batched_meta.COUNTERS.reset()
+    patched = AuxOutputSchedulerConnector.build_connector_meta
+    assert _outcome(patched, _connector_copy(connector, {}), scheduler_output, requests) == expected
+    assert batched_meta.COUNTERS.snapshot()["fallback_reasons"] == {"step": 1}

@@ -1,24 +1,35 @@
 """batched_begin: begin_step without a Python pass (and a new state object) per running request.
 
-``AuxOutputWorkerConnector.begin_step`` walks every scheduled request each step:
-``self._requests.setdefault(request_id, _WorkerRequestState(emit_cursor=emit_start))``
-builds a dataclass per request even when the request is known (almost always), then
-checks ``emit_start <= state.emit_cursor`` for settled requests. At 400-2000 running
-requests that is most of the step's begin_step cost.
+Replaces ``AuxOutputWorkerConnector.begin_step`` (wrapped). Upstream walks every
+scheduled request each step: ``self._requests.setdefault(request_id,
+_WorkerRequestState(emit_cursor=emit_start))`` builds a dataclass per request even when
+the request is known (almost always), then asserts ``emit_start <= state.emit_cursor``
+for settled requests (``pending_outputs == 0``).
 
-We wrap ``begin_step``. For the requests the worker already knows, the settled check is
-done at once (upstream's ``emit_start <= emit_cursor`` over all of them in one C-level
-pass; ``pending_outputs`` is read only if that fails somewhere);
-upstream's ``begin_step`` then runs on a copy of the metadata whose ``requests`` holds
-only the requests it does not know yet, in the scheduler's order, so everything else
-(new states, block hashes, retained/released keys on 0.33, terminal events, teardown,
-publication) is upstream's code on upstream's data. ``_step_metadata`` is set back to
-the scheduler's metadata object, as upstream leaves it.
+Fast case: for the requests the worker already knows, the settled check is made at
+once (``_settled``; its reference form, upstream's loop on the same objects, is
+``settled_reference``, and the tests hold the two equal). Upstream's ``begin_step`` then
+runs on a copy of the metadata whose ``requests`` holds only the requests it does not
+know yet, in the scheduler's order (``_in_order``), so everything else (new states,
+block hashes, retained/released keys on 0.33, terminal events, teardown, publication)
+is upstream's code on upstream's data. ``_step_metadata`` is set back to the scheduler's
+metadata object, as upstream leaves it.
 
-The whole metadata goes to upstream unchanged when anything is unusual: no data plane,
-no metadata, a generation change (upstream clears every state first), a request both
-running and finished, or a settled request whose emit start is ahead of its cursor
-(upstream raises there, with its own message and effects).
+Fallback rules (the call goes to upstream unchanged, counted in ``COUNTERS``):
+
+* ``metadata is None`` or no data plane (``_buffer is None``, a non-output rank):
+  upstream stores the metadata and returns; the wrapper reads nothing of the metadata
+  and takes no lock on that path either;
+* judged from the metadata before any lock, as upstream's assertions are: requests not
+  a non-empty dict, a metadata that is not a dataclass, a generation that is not the
+  connector's (a change clears every state first; a step backwards raises), a finished
+  set that is not a plain collection, a request both running and finished;
+* under the lock (as upstream reads the states): a settled request whose emit start is
+  ahead of its cursor (upstream raises there, with its own message and effects).
+
+Why equal to upstream: upstream's loop changes nothing for a known request whose
+check passes, so dropping known requests from ``requests`` leaves upstream's effects
+on every other field and request as they were.
 """
 
 from __future__ import annotations
@@ -45,17 +56,27 @@ COUNTERS = Counters()
 
 def _batched_begin(params: Mapping[str, Any]) -> WrapperFn:
     def batched_begin(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
-        metadata = args[0] if args else kwargs.get("metadata")
         if instance is None:
+            return wrapped(*args, **kwargs)
+        metadata = args[0] if args else kwargs.get("metadata")
+        if metadata is None or instance._buffer is None:
+            # Upstream stores the metadata and returns: it reads nothing of it and takes
+            # no lock (a non-output rank, a step without metadata). Nor do we.
+            COUNTERS.add(0, {})
+            return wrapped(*args, **kwargs)
+        scheduled = _plain_requests(instance, metadata)
+        if scheduled is None:
+            # A step whose requests are not a plain dict counts once, unread.
+            requests = getattr(metadata, "requests", None)
+            COUNTERS.add(0, {"step": len(requests) if type(requests) is dict else 1})
             return wrapped(*args, **kwargs)
         # Read the worker's states as upstream does, under the connector lock (the
         # output thread's process_output changes pending_outputs and tears states
         # down under it); released before upstream's begin_step takes it again.
         with instance._lock:
-            trimmed = _trim(instance, metadata)
+            trimmed = _trim(instance, metadata, scheduled)
         if trimmed is None:
-            count = len(getattr(metadata, "requests", None) or ())
-            COUNTERS.add(0, {"step": count} if count else {})
+            COUNTERS.add(0, {"step": len(scheduled)})
             return wrapped(*args, **kwargs)
         known, new = trimmed
         COUNTERS.add(known, {"new": len(new.requests)} if new.requests else {})
@@ -67,42 +88,70 @@ def _batched_begin(params: Mapping[str, Any]) -> WrapperFn:
     return batched_begin
 
 
-def _trim(connector: Any, metadata: Any) -> tuple[int, Any] | None:
-    """(known requests checked here, metadata for upstream), or None for upstream whole."""
-    if (
-        metadata is None
-        or connector._buffer is None
-        or type(metadata.requests) is not dict
-        or metadata.generation != connector._generation
-    ):
+def _plain_requests(connector: Any, metadata: Any) -> dict[str, Any] | None:
+    """``metadata.requests`` when the step may be trimmed, judged from the metadata and
+    the connector's generation alone (what upstream's assertions read before it takes
+    the lock), else None: the whole metadata goes to upstream, which raises its own
+    error on anything malformed. Trimmed only: a non-empty dict of requests, none of
+    them finishing, in the connector's generation (a change clears every state first)."""
+    if not dataclasses.is_dataclass(metadata):  # the copy is made with dataclasses.replace
         return None
-    scheduled = metadata.requests
-    if not scheduled or scheduled.keys() & metadata.finished_requests:
+    scheduled = getattr(metadata, "requests", None)
+    generation = getattr(metadata, "generation", None)
+    finished = getattr(metadata, "finished_requests", None)
+    if type(scheduled) is not dict or not scheduled or type(generation) is not int:
         return None
+    if generation != connector._generation or type(finished) not in (tuple, list, set, frozenset):
+        return None
+    try:
+        if scheduled.keys() & finished:
+            return None
+    except TypeError:  # an unhashable id: upstream's assertion raises it
+        return None
+    return scheduled
+
+
+def settled_reference(states: Mapping[str, Any], scheduled: Mapping[str, Any]) -> bool:
+    """The reference form of ``_settled``: upstream's loop over the scheduled requests,
+    read-only. False where upstream's assertion would fire (a settled request, nothing
+    in flight, whose emit start is ahead of its cursor); a new request passes (upstream
+    makes its state with ``emit_cursor = emit_start``)."""
+    for request_id, emit_start in scheduled.items():
+        state = states.get(request_id)
+        if state is None:
+            continue
+        if state.pending_outputs == 0 and not emit_start <= state.emit_cursor:
+            return False
+    return True
+
+
+def _settled(states: Mapping[str, Any], scheduled: Mapping[str, Any]) -> bool:
+    """``settled_reference(states, scheduled)``, checked at once: every emit start against
+    its cursor in one C-level pass (an unknown request reads as ``_NEW``, whose cursor
+    every start passes); only when that fails somewhere does it matter whether a step
+    is in flight, and the second pass asks exactly upstream's question. Comprehensions,
+    not attrgetter maps: CPython 3.11's specialised attribute reads are faster."""
+    cursors = [state.emit_cursor for state in map(states.get, scheduled, repeat(_NEW))]
+    if all(map(operator.le, scheduled.values(), cursors)):
+        return True
+    return not any(
+        [
+            state.pending_outputs == 0 and not emit <= cursor
+            for state, emit, cursor in zip(
+                map(states.get, scheduled, repeat(_NEW)), scheduled.values(), cursors, strict=True
+            )
+        ]
+    )
+
+
+def _trim(connector: Any, metadata: Any, scheduled: dict[str, Any]) -> tuple[int, Any] | None:
+    """(known requests checked here, metadata for upstream), or None for upstream whole.
+    Called under the connector's lock, with ``scheduled = _plain_requests(...)``."""
     states = connector._requests
     unknown = scheduled.keys() - states.keys()
     k = len(scheduled) - len(unknown)
-    if k:
-        # One pass over the scheduler's order; an unknown request reads as _NEW, which
-        # passes (upstream makes its state with emit_cursor = emit_start and nothing in
-        # flight, so its check holds), so no list of known ids is built per step.
-        # Comprehensions, not attrgetter maps: CPython 3.11's specialised attribute reads
-        # are about twice as fast (see batched_commit._select).
-        cursors = [state.emit_cursor for state in map(states.get, scheduled, repeat(_NEW))]
-        # Upstream's predicate (emit_start <= emit_cursor) on Python values, in one C
-        # pass; only when it fails somewhere does it matter whether a step is in flight.
-        if not all(map(operator.le, scheduled.values(), cursors)) and any(
-            [
-                state.pending_outputs == 0 and not emit <= cursor
-                for state, emit, cursor in zip(
-                    map(states.get, scheduled, repeat(_NEW)),
-                    scheduled.values(),
-                    cursors,
-                    strict=True,
-                )
-            ]
-        ):
-            return None  # upstream's assertion, with upstream's effects before it
+    if k and not _settled(states, scheduled):
+        return None  # upstream's assertion, with upstream's effects before it
     new_requests = _in_order(scheduled, unknown) if unknown else {}
     trimmed = dataclasses.replace(metadata, requests=new_requests)
     # Attributes beyond the dataclass fields (packed_outputs' reader declaration, which

@@ -39,7 +39,11 @@ a view of the snapshot when they are contiguous, else one gather). A step that d
 look like upstream's contract at all (mismatched lengths, duplicate ids, a token count
 out of range, float token starts or bounds, a different row profile) goes to upstream
 whole, so upstream raises; so does a step with fewer free buffer slots than requests
-(where upstream may assert "pool is exhausted": at the request it would).
+(where upstream may assert "pool is exhausted": at the request it would), a step whose
+ids are not a list (counted once: nothing of it is read before upstream), and a step
+whose buffer's ``capture`` is not upstream's (a subclass's, one set on the instance, a
+wrapper added after apply: counted as ``capture_overridden``), since upstream's loop
+calls ``capture`` through the object and the fast path does what upstream's does.
 
 Differences from upstream, and why they are not observable:
 
@@ -62,6 +66,13 @@ Differences from upstream, and why they are not observable:
   worker is dead after the error either way; a strict xfail test pins it). A capture
   takes at most one free slot, and a step with fewer free slots than requests goes to
   upstream whole, so no request finds the pool exhausted that upstream would not.
+* Value types (known, not yet fixed): the fast path writes Python ``int`` cursors, tail
+  lengths and token starts where upstream's arithmetic on the runner's int32 arrays
+  leaves numpy integers. Values are equal and every reader compares or indexes with
+  them; a pickled worker state or output differs in bytes (issue 27, item 5).
+* Fallback rows: upstream's outputs for fallback requests are cut from the sub-step's
+  rows; when those were gathered (not contiguous) they are re-pointed at the same rows
+  of the step's snapshot (``_view_of_step``), so they keep alive what upstream's keep.
 
 Counters (``COUNTERS``) say which requests were ours and which upstream's, by reason.
 """
@@ -290,11 +301,22 @@ def _links_hold(links: tuple[Any, ...]) -> bool:
 _PACKING_WRAPS = _PackingWraps()
 
 
-def _whole_step_reason(connector: Any, pending: Any) -> str | None:
-    """Why the step must go to upstream whole (so its assertions fire there), else None."""
+#: The reason counted for a step whose buffer's ``capture`` is not upstream's.
+CAPTURE_OVERRIDDEN = "capture_overridden"
+
+
+def _whole_step_reason(connector: Any, pending: Any, capture: Any) -> str | None:
+    """Why the step must go to upstream whole (so its assertions fire there), else None.
+
+    ``capture`` is upstream's ``RoutedExpertsBuffer.capture`` as the class defined it:
+    the fast path does what that function does, on its objects, so a buffer whose
+    ``capture`` is another (a subclass's, one set on the instance, a wrapper added to
+    the class after apply) gets upstream's loop, which calls it through the object."""
     buffer, store = connector._buffer, connector._store
     if buffer is None or store is None or buffer.block_size <= 1:
         return "no data plane or 1-token blocks"
+    if type(buffer).capture is not capture or "capture" in getattr(buffer, "__dict__", ()):
+        return CAPTURE_OVERRIDDEN
     rows, sampled, rejected = pending.routed_experts, pending.num_sampled, pending.num_rejected
     if rows is None or sampled is None or rejected is None:
         return "CPU copy not enqueued"
@@ -308,15 +330,32 @@ def _whole_step_reason(connector: Any, pending: Any) -> str | None:
 def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
     # Imports vLLM: only when applying.
     from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
-    from vllm.distributed.aux_output_connector.routed_experts import _RequestTail
+    from vllm.distributed.aux_output_connector.routed_experts import (
+        RoutedExpertsBuffer,
+        _RequestTail,
+    )
 
     from prime_r3.packed import PackedAuxOutputs
 
+    # Upstream's capture, as the class defines it (the anchor verified the class source);
+    # None when something already replaced it: then no buffer's capture is upstream's.
+    capture = RoutedExpertsBuffer.__dict__.get("capture")
+    if getattr(capture, "__qualname__", None) != "RoutedExpertsBuffer.capture" or (
+        getattr(capture, "__module__", None) != RoutedExpertsBuffer.__module__
+    ):
+        capture = None
+
     def batched_commit(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
         pending = args[0] if args else kwargs.get("pending")
-        if instance is None or pending is None or _whole_step_reason(instance, pending):
+        if instance is None or pending is None:
             return _upstream_step(wrapped, args, kwargs, pending)
+        why = _whole_step_reason(instance, pending, capture)
+        if why is not None:
+            reason = CAPTURE_OVERRIDDEN if why == CAPTURE_OVERRIDDEN else "step"
+            return _upstream_step(wrapped, args, kwargs, pending, reason)
         ids = pending.request_ids
+        if type(ids) is not list:  # the runner's list; anything else: upstream's zip
+            return _upstream_step(wrapped, args, kwargs, pending)
         n = len(ids)
         qsl = np.asarray(pending.query_start_loc)
         token_starts = np.asarray(pending.token_starts)
@@ -427,10 +466,14 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
                 sub_outputs = wrapped(sub)
             if not ordered:  # upstream returned without publishing (not upstream's code)
                 order_slots()
+            gathered = sub_root is not _root(rows)  # sub_rows is a copy (non-contiguous)
             for request_id, output in sub_outputs.items():
                 value_rows = output.rows
                 if isinstance(value_rows, np.ndarray) and _root(value_rows) is sub_root:
-                    direct.append((position[request_id], request_id, output))
+                    j = position[request_id]
+                    if gathered:
+                        output.rows = _view_of_step(value_rows, sub_rows, sub, rows, qsl, j)
+                    direct.append((j, request_id, output))
                 else:
                     materialised.append((request_id, output))
         if multi is not None and multi.direct:
@@ -904,11 +947,16 @@ def _upstream_step(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
     pending: Any,
-    reasons: Counter[str] | None = None,
+    reason: str = "step",
 ) -> Any:
-    """The whole step through upstream's ``_commit_output`` (counted)."""
-    count = len(getattr(pending, "request_ids", None) or ())
-    COUNTERS.add(0, {"step": count} if count else {})
+    """The whole step through upstream's ``_commit_output``, counted under ``reason``
+    without reading anything upstream would not first: a list of ids counts its
+    requests, anything else once (upstream raises its own error on it)."""
+    ids = getattr(pending, "request_ids", None) if pending is not None else None
+    if pending is not None:
+        COUNTERS.add(0, {reason: len(ids) if type(ids) is list else 1})
+    else:
+        COUNTERS.add(0, {})
     return wrapped(*args, **kwargs)
 
 
@@ -944,6 +992,24 @@ def _sub_step(
         num_rejected=np.asarray(pending.num_rejected)[index],
     )
     return sub, sub_rows
+
+
+def _view_of_step(
+    value_rows: np.ndarray, sub_rows: np.ndarray, sub: Any, rows: np.ndarray, qsl: Any, j: int
+) -> np.ndarray:
+    """The same rows of the step's own ``rows``, as upstream's output holds them (a view
+    of the snapshot), for an output upstream's loop cut from the gathered ``sub_rows``
+    of the request at batch position ``j``: else the outputs keep the whole gather
+    alive, more than upstream would."""
+    if not len(value_rows):
+        return rows[int(qsl[j]) : int(qsl[j])]
+    first = (
+        value_rows.__array_interface__["data"][0] - sub_rows.__array_interface__["data"][0]
+    ) // sub_rows.strides[0]
+    sub_qsl = sub.query_start_loc
+    at = int(np.searchsorted(sub_qsl, first, side="right")) - 1  # its request in the sub-step
+    start = int(qsl[j]) + int(first - sub_qsl[at])
+    return rows[start : start + len(value_rows)]
 
 
 def _rows_at(rows: np.ndarray, at: np.ndarray) -> np.ndarray:

@@ -15,8 +15,9 @@ does not depend on the prompt start's value: already sent (known to
 the sent count), on 0.33 no ``_loading`` entry to pop, and decoding past the prompt (an
 output token, ``num_tokens - 1 > num_prompt_tokens``, an ``int`` prompt start; 0.31 also
 ``prompt_start < num_tokens - 1``), where upstream's emit start is exactly ``num_tokens
-- 1``. One lean pass finds them and their emit starts (a dict lookup, three lengths and
-an int per request, no call, no write); everything else is upstream's code.
+- 1``. One lean pass finds them and their emit starts (a dict lookup, a length, the
+request's ``num_output_tokens`` / ``num_tokens`` properties as upstream reads them, no
+write); everything else is upstream's code.
 
 Why a pass and not array operations: the cost of this step is touching each request's
 objects (the request, its lists, its sampling params), not arithmetic. Measured on the
@@ -44,7 +45,10 @@ wrapper runs on every step, fast or not. ``block_hashes`` needs no merge: fast r
 add no entry, so upstream's dict (scheduled entries in scheduler order, then
 unscheduled, then finished) is already the whole step's.
 
-Upstream's whole, untouched call handles any step we do not cover: not plain dicts, a
+Upstream's whole, untouched call handles any step we do not cover (the scan only
+reads, so anything it raises on also sends the step to upstream, which raises its own
+error; nothing of the arguments is read before upstream beyond what the scan read):
+not plain dicts, a
 connector subclass or instance overriding the hash helpers, a scheduled id missing from
 ``requests`` (on 0.33 also one whose ``request.request_id`` differs from its key: upstream
 reads the sent count under the request's own id), ``sampling_params`` None or a hash
@@ -111,9 +115,12 @@ def _batched_meta(params: Mapping[str, Any]) -> WrapperFn:
             scheduler_output, requests = _arguments(args, kwargs)
             _check(instance, scheduler_output, requests, helper, upstream_helper)
             values, slow, reasons = scan(instance, scheduler_output.num_scheduled_tokens, requests)
-        except _Whole:
-            count = len(getattr(_first(args, kwargs), "num_scheduled_tokens", None) or ())
-            COUNTERS.add(0, {"step": count} if count else {})
+        except Exception:  # noqa: BLE001 - _Whole, or a read upstream raises on: upstream's
+            # The scans only read, so upstream runs on what it would have had, and raises
+            # its own error with its own effects. Counted without reading anything more:
+            # a plain dict's requests, else the step once.
+            scheduled = getattr(_first(args, kwargs), "num_scheduled_tokens", None)
+            COUNTERS.add(0, {"step": len(scheduled) if type(scheduled) is dict else 1})
             return wrapped(*args, **kwargs)
         num_scheduled = scheduler_output.num_scheduled_tokens
         sent = instance._sent_hash_counts
@@ -180,8 +187,10 @@ def _check(
 # A fast request is decoding past its prompt: it has an output token and
 # num_tokens - 1 > num_prompt_tokens, with an int prompt start, so upstream's emit start
 # max(min(prompt_start, num_prompt_tokens), num_tokens - 1) is exactly num_tokens - 1
-# (0.31, without the min, needs prompt_start < num_tokens - 1 too). The lengths are
-# read where the anchored num_tokens / num_output_tokens properties read them.
+# (0.31, without the min, needs prompt_start < num_tokens - 1 too). The counts are read
+# through the request's num_output_tokens / num_tokens properties, as upstream reads them
+# (num_tokens only when there is an output token, as upstream's conditional does), so a
+# subclassed or duck-typed request gives upstream's values.
 # Reading rows here and not columns is measured: the cost is touching each request's
 # objects, and one pass over each request costs half of upstream's loop where column
 # passes (map/attrgetter/np.fromiter per attribute) cost more than upstream's loop.
@@ -212,11 +221,10 @@ def _scan_032(
             raise _Whole  # upstream's assertion
         num_sent = sent_get(request_id, -1)
         num_hashes = len(request.block_hashes)
-        emit = len(request._all_token_ids) - 1
         if (
             num_sent == num_hashes
-            and request._output_token_ids
-            and emit > request.num_prompt_tokens
+            and request.num_output_tokens
+            and (emit := request.num_tokens - 1) > request.num_prompt_tokens
             and type(sampling.routed_experts_prompt_start) is int
         ):
             values[request_id] = emit
@@ -245,12 +253,11 @@ def _scan_031(
             raise _Whole
         num_sent = sent_get(request_id, -1)
         num_hashes = len(request.block_hashes)
-        emit = len(request._all_token_ids) - 1
         start = sampling.routed_experts_prompt_start
         if (
             num_sent == num_hashes
-            and request._output_token_ids
-            and emit > request.num_prompt_tokens
+            and request.num_output_tokens
+            and (emit := request.num_tokens - 1) > request.num_prompt_tokens
             and type(start) is int
             and emit > start
         ):
@@ -284,7 +291,6 @@ def _scan_033(
             raise _Whole
         num_sent = sent_get(request_id, -1)
         num_hashes = len(request.block_hashes)
-        emit = len(request._all_token_ids) - 1
         # _take_new_hashes sends nothing unless min(num_hashes, keyed) > num_sent.
         quiet = num_sent == num_hashes or (
             0 <= num_sent < num_hashes
@@ -292,8 +298,8 @@ def _scan_033(
         )
         if (
             quiet
-            and request._output_token_ids
-            and emit > request.num_prompt_tokens
+            and request.num_output_tokens
+            and (emit := request.num_tokens - 1) > request.num_prompt_tokens
             and type(sampling.routed_experts_prompt_start) is int
             and not (loading and request_id in loading)
         ):

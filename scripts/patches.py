@@ -17,6 +17,13 @@ file with the whole series applied (upstream moved, or something else changed it
 A diff written on top of another one names it in its header (``Requires: NN-<name>``,
 an earlier diff of the same series): it applies after what it requires, alone or in
 the series, and a missing or later requirement is an error.
+
+A diff may also change vLLM's own tests (``b/tests/...``), where a fix changes an
+internal those tests build or read, as the upstream pull request would: the same
+``Source-sha256`` lines record the release's test files (as its sdist ships them).
+An installed tree has no ``tests/``: ``check``, ``diff`` and ``apply`` work on the
+``vllm/`` part, and ``apply --tests SDIST`` also writes ``DIR/tests``, the sdist's
+tests with the diffs' test changes (``scripts/vllm_tests.py`` runs those in tree mode).
 """
 
 from __future__ import annotations
@@ -40,9 +47,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 PATCHES = ROOT / "patches"
 _NAME = re.compile(r"^(\d\d)-([a-z0-9_]+)\.patch$")
-_SOURCE = re.compile(r"^Source-sha256: ([0-9a-f]{64})  (vllm/\S+)$", re.M)
+_SOURCE = re.compile(r"^Source-sha256: ([0-9a-f]{64})  ((?:vllm|tests)/\S+)$", re.M)
 _REQUIRES = re.compile(r"^Requires:(.*)$", re.M)
 _REQUIREMENT = re.compile(r"^\d\d-[a-z0-9_]+$")
+#: where a diff's changes to vLLM's own tests live (repository-relative)
+TESTS = "tests/"
 
 
 class PatchError(RuntimeError):
@@ -63,7 +72,20 @@ class Diff:
 
     @property
     def files(self) -> list[str]:
-        return sorted(self.sources)
+        """The vLLM package files the diff changes (``vllm/...``)."""
+        return sorted(f for f in self.sources if not f.startswith(TESTS))
+
+    @property
+    def test_files(self) -> list[str]:
+        """vLLM's own test files the diff changes (``tests/...``, not installed)."""
+        return sorted(f for f in self.sources if f.startswith(TESTS))
+
+    def part(self, tests: bool) -> str:
+        """The diff's text for its package files only, or its test files only."""
+        text = self.path.read_text()
+        head, *sections = re.split(r"(?m)^(?=--- a/)", text)
+        keep = [s for s in sections if s.startswith(f"--- a/{TESTS}") == tests]
+        return head + "".join(keep)
 
 
 def read_diff(path: Path) -> Diff:
@@ -73,6 +95,9 @@ def read_diff(path: Path) -> Diff:
     text = path.read_text()
     sources = {file: digest for digest, file in _SOURCE.findall(text)}
     touched = set(re.findall(r"^\+\+\+ b/(\S+)", text, re.M))
+    outside = sorted(f for f in touched if not f.startswith(("vllm/", TESTS)))
+    if outside:
+        raise PatchError(f"{path}: touches {outside}, outside vllm/ and tests/")
     if not touched or touched != set(sources):
         raise PatchError(
             f"{path}: touches {sorted(touched)} but records Source-sha256 for {sorted(sources)}"
@@ -215,14 +240,30 @@ def _sha256(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
-def _run_patch(diff: Diff, root: Path, *, reverse: bool = False, dry_run: bool = False) -> None:
-    """``patch -p1`` with no fuzz, no backups and no prompts; raises with patch's output."""
+def _run_patch(
+    diff: Diff,
+    root: Path,
+    *,
+    reverse: bool = False,
+    dry_run: bool = False,
+    tests: bool = False,
+) -> None:
+    """``patch -p1`` of the diff's package part (``tests``: its test part) with no
+    fuzz, no backups and no prompts; raises with patch's output."""
+    if tests and not diff.test_files:
+        return
     command = ["patch", "-p1", "--batch", "--fuzz=0", "--no-backup-if-mismatch", "-r", "-"]
     command += ["--reverse"] if reverse else ["--forward"]
     command += ["--dry-run"] if dry_run else []
-    command += ["-i", str(diff.path)]
     try:
-        result = subprocess.run(command, cwd=root, capture_output=True, text=True, check=False)
+        result = subprocess.run(
+            command,
+            cwd=root,
+            input=diff.part(tests),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
     except FileNotFoundError:
         raise PatchError("GNU patch is needed (apt-get install patch)") from None
     if result.returncode != 0:
@@ -255,7 +296,8 @@ def status(site: Path, release: str, patches_dir: Path = PATCHES) -> Status:
     files = sorted({f for d in diffs for f in d.files})
     pristine = {}
     for diff in diffs:  # a file's recorded hash must agree across the diffs touching it
-        for file, digest in diff.sources.items():
+        for file in diff.files:
+            digest = diff.sources[file]
             if pristine.setdefault(file, digest) != digest:
                 raise PatchError(f"{diff.path.name}: Source-sha256 of {file} disagrees")
     found = {file: _sha256(site / file) for file in files}
@@ -297,12 +339,20 @@ def _link_or_copy(source: str, target: str) -> None:
         shutil.copy2(source, target)
 
 
-def apply(site: Path, release: str, out: Path, patches_dir: Path = PATCHES) -> Path:
+def apply(
+    site: Path,
+    release: str,
+    out: Path,
+    patches_dir: Path = PATCHES,
+    tests_from: Path | None = None,
+) -> Path:
     """``out/vllm`` = the installed package with the release's diffs applied.
 
     Untouched files are hard links to the installed ones (copies across filesystems);
     every file a diff touches is a private copy, so the installed tree never changes.
-    Refuses a tree that is not the release's source. Returns ``out``.
+    Refuses a tree that is not the release's source. With ``tests_from`` (a directory
+    holding the release's ``tests/``, e.g. its unpacked sdist), ``out/tests`` is that
+    ``tests/`` with the diffs' test changes, made the same way. Returns ``out``.
     """
     found = status(site, release, patches_dir)
     if found.state != "pristine":
@@ -320,6 +370,32 @@ def apply(site: Path, release: str, out: Path, patches_dir: Path = PATCHES) -> P
         shutil.copyfile(site / file, target)
     for diff in diffs:
         _run_patch(diff, out)
+    if tests_from is not None:
+        apply_tests(tests_from, release, out, patches_dir)
+    return out
+
+
+def apply_tests(source: Path, release: str, out: Path, patches_dir: Path = PATCHES) -> Path:
+    """``out/tests`` = ``source/tests`` (the release's own tests) with the release's
+    diffs' test changes; refuses test files that are not the release's."""
+    diffs = series(release, patches_dir)
+    files = sorted({f for d in diffs for f in d.test_files})
+    recorded = {f: d.sources[f] for d in diffs for f in d.test_files}
+    moved = [f for f in files if _sha256(source / f) != recorded[f]]
+    if moved:
+        raise PatchError(
+            f"tests under {source} are not vLLM {release}'s: "
+            + ", ".join(
+                f"{f} (sha256 {_sha256(source / f)}, diffs want {recorded[f]})" for f in moved
+            )
+        )
+    shutil.copytree(source / "tests", out / "tests", copy_function=_link_or_copy)
+    for file in files:
+        target = out / file
+        target.unlink()
+        shutil.copyfile(source / file, target)
+    for diff in diffs:
+        _run_patch(diff, out, tests=True)
     return out
 
 
@@ -364,6 +440,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--release", help="vLLM release of the diffs (default: installed)")
     parser.add_argument("--out", type=Path, help="apply: write DIR/vllm (a patched copy)")
     parser.add_argument("--in-place", action="store_true", help="apply: patch the tree itself")
+    parser.add_argument(
+        "--tests",
+        type=Path,
+        metavar="SDIST",
+        help="apply --out: also write DIR/tests, SDIST/tests with the diffs' test changes",
+    )
     args = parser.parse_args(argv)
     site = args.site or installed_site()
     release = args.release or installed_release()
@@ -377,7 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for diff in diffs:
                 size = diff.path.stat().st_size
                 needs = f"  (requires {', '.join(diff.requires)})" if diff.requires else ""
-                print(f"{diff.path.name:28} {size:6d} B  {', '.join(diff.files)}{needs}")
+                tests = f"; tests: {', '.join(diff.test_files)}" if diff.test_files else ""
+                print(f"{diff.path.name:28} {size:6d} B  {', '.join(diff.files)}{tests}{needs}")
             files = {d.name: d.path.name for d in diffs}
             for name, carrier in registry_carried(release).items():
                 print(f"{name:28} in {files[carrier]} (part of the {carrier} diff)")
@@ -390,12 +473,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "apply":
             if args.in_place == (args.out is not None):
                 parser.error("apply needs exactly one of --out DIR and --in-place")
+            if args.tests is not None and args.out is None:
+                parser.error("apply --tests needs --out DIR")
             if args.in_place:
                 apply_in_place(site, release)
                 print(f"vLLM {release} at {site}: patched in place")
             else:
-                apply(site, release, args.out)
+                apply(site, release, args.out, tests_from=args.tests)
                 print(f"{args.out}/vllm: vLLM {release} with {len(diffs)} diffs applied")
+                if args.tests is not None:
+                    changed = sorted({f for d in diffs for f in d.test_files})
+                    print(f"{args.out}/tests: {args.tests}/tests, changed: {changed}")
             return 0
         sys.stdout.write(combined_diff(site, release))
         return 0

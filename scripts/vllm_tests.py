@@ -15,7 +15,10 @@ Two modes, each one pytest process on vLLM's test files:
   process a test spawns.
 - ``tree``: a copy of the installed ``vllm`` package patched with
   ``patches/vllm-<release>/*.patch`` (``scripts/patches.py apply``, the copy tests/
-  test_upstream_diffs.py builds), first on ``sys.path``, with ``PRIME_R3=0``.
+  test_upstream_diffs.py builds), first on ``sys.path``, with ``PRIME_R3=0``; the
+  tests run from a copy of the sdist's ``tests/`` with the diffs' test changes
+  (``apply --tests``: a diff that changes an internal vLLM's tests build by hand
+  changes those lines too, as its upstream pull request would).
 
 The sdist is fetched once per release with pip's ordinary client (``pip download
 --no-deps --no-binary :all:``; pip builds an sdist's metadata before it keeps it, so the
@@ -130,20 +133,31 @@ _GROWS = (
     "store_growth: the store grows instead of raising BlockObjectStoreError "
     "when a batch does not fit (what 0.33 does)"
 )
+_HEADROOM = (
+    "store_headroom (04's diff): the worker's default store holds twice the KV cache's "
+    "blocks (VLLM_AUX_OUTPUT_STORE_HEADROOM=2), so max_bytes is 5120, not upstream's 2560"
+)
+#: the diffs' tree-mode list (owned with patches/): 0.31/0.32 carry 04 and 05
+_TREE_031_032 = {
+    "tests/distributed/aux_output_connector/test_store.py::"
+    "test_store_rejects_oversized_batch_without_partial_write": _GROWS,
+    "tests/model_executor/test_routed_experts_capture.py::"
+    "test_aux_output_worker_connector_default_capacity": _HEADROOM,
+}
 EXPECTED_FAILURES: dict[str, dict[str, dict[str, str]]] = {
     "0.31.0": {
         "overlay": {
             "tests/distributed/aux_output_connector/test_store.py::"
             "test_store_rejects_oversized_batch_without_partial_write": _GROWS,
         },
-        "tree": {},
+        "tree": dict(_TREE_031_032),
     },
     "0.32.0": {
         "overlay": {
             "tests/distributed/aux_output_connector/test_store.py::"
             "test_store_rejects_oversized_batch_without_partial_write": _GROWS,
         },
-        "tree": {},
+        "tree": dict(_TREE_031_032),
     },
     "0.33.0": {"overlay": {}, "tree": {}},
 }
@@ -292,12 +306,15 @@ def run(mode: str, release: str, tree: Path, extra: Sequence[str]) -> int:
     path = [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     with tempfile.TemporaryDirectory(prefix="prime_r3_vllm_tests_") as tmp:
         if mode == "tree":
-            subprocess.run(
-                [sys.executable, str(ROOT / "scripts" / "patches.py"), "apply", "--out", tmp],
-                check=True,
-            )
+            # tmp/vllm: the patched package; tmp/tests: the sdist's tests with the
+            # diffs' test changes (where a diff changes an internal they build).
+            patch = [sys.executable, str(ROOT / "scripts" / "patches.py"), "apply"]
+            patch += ["--out", tmp, "--tests", str(tree)]
+            subprocess.run(patch, check=True)
+            shutil.copyfile(tree / "pyproject.toml", Path(tmp) / "pyproject.toml")
             path.insert(0, tmp)
             env["PRIME_R3"] = "0"
+            tree = Path(tmp)
         else:
             env.pop("PRIME_R3", None)
         env["PYTHONPATH"] = os.pathsep.join(path)

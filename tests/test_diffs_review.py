@@ -251,3 +251,111 @@ def test_a_malformed_per_release_diff_pending_fails_at_parse_time(value: Any) ->
     spec = next(s for s in REGISTRY if s.name == "batched_commit")
     with pytest.raises(ValueError, match=r"batched_commit.*diff_pending=.*valid choices"):
         dataclasses.replace(spec, diff_pending=value)
+
+
+# -- upstream's tested contracts (issue 27: vLLM's own tests on the patched tree) ----------
+
+
+def _take(connector: Any, request: Any, output: Any) -> Any:
+    try:
+        rows = connector.take_output(request, output)
+    except AssertionError as error:
+        return ("raise", str(error))
+    return ("rows", None if rows is None else (rows.tolist(), rows.base is not None))
+
+
+def test_take_output_of_a_plain_dict_is_upstreams(
+    reverted: pytest.MonkeyPatch, patched_connector: ModuleType
+) -> None:
+    """02 keeps take_output's contract for a dict from any producer (vLLM's scheduler
+    tests hand it one): same rows, a view of the dict's rows as upstream's slice, the
+    same assertion messages for a missing request, None, and past-the-end rows."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.aux_output_connector import connector as upstream
+
+    def request(request_id: str, num_tokens: int, finished: bool = False) -> Any:
+        return SimpleNamespace(
+            request_id=request_id, num_tokens=num_tokens, is_finished=lambda: finished
+        )
+
+    cases = [
+        (request("a", 5), True),  # all 3 rows accepted
+        (request("a", 4), True),  # the first 2
+        (request("a", 1), True),  # before the output: None
+        (request("a", 9), True),  # past its rows: assertion
+        (request("a", 1, finished=True), True),
+        (request("b", 4), True),  # missing
+        (request("a", 4), False),  # no output at all
+    ]
+    found = {}
+    for module in (upstream, patched_connector):
+        rows = np.arange(6, dtype=np.uint8).reshape(3, 2)
+        step = {"a": module.AuxRequestOutput(1, rows)}
+        connector = _connector(module.AuxOutputSchedulerConnector)
+        found[module] = [_take(connector, r, step if has else None) for r, has in cases]
+    assert found[patched_connector] == found[upstream]
+    assert found[upstream][0] == ("rows", ([[0, 1], [2, 3], [4, 5]], True))
+    assert [kind for kind, _ in found[upstream]].count("raise") == 4
+
+
+def test_meta_reads_the_request_properties(
+    reverted: pytest.MonkeyPatch, patched_connector: ModuleType
+) -> None:
+    """09's short path reads num_tokens / num_output_tokens as upstream's body does: a
+    request whose properties are its own (a subclass, or a duck type with no token
+    lists, as vLLM's connector tests build) gets upstream's emit starts."""
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    class Counted(Request):
+        @property
+        def num_tokens(self) -> int:  # e.g. a request that counts a pending token
+            return len(self._all_token_ids) + 2
+
+    def run(connector_type: type) -> Any:
+        request = Counted("a", [1, 2, 3], SamplingParams(max_tokens=8), None)
+        request.num_computed_tokens = 3
+        request.append_output_token_ids(5)
+        return _meta(_connector(connector_type), {"a": 1}, {"a": request})
+
+    upstream = run(AuxOutputSchedulerConnector)
+    assert upstream[0][:2] == ("ok", [("a", 5)])
+    assert run(patched_connector.AuxOutputSchedulerConnector) == upstream
+
+
+def test_capture_keeps_upstreams_signature_and_blocks(patched_tree: Path) -> None:
+    """06 keeps RoutedExpertsBuffer.capture(request_id, token_start, rows) (vLLM's
+    buffer tests call it so); the worker's row-keyed form is capture_row beside it.
+    The same captures give the same completed blocks and errors as upstream's."""
+    if "batched_commit" not in [d.name for d in patches.series(RELEASE)]:
+        pytest.skip(f"no 06 diff for vLLM {RELEASE}")
+    from vllm.distributed.aux_output_connector.routed_experts import RoutedExpertsBuffer
+
+    patched = _patched_module(
+        patched_tree,
+        "vllm/distributed/aux_output_connector/routed_experts.py",
+        "review_patched_routed_experts",
+    ).RoutedExpertsBuffer
+    assert inspect.signature(patched.capture) == inspect.signature(RoutedExpertsBuffer.capture)
+    assert "request_row" in inspect.signature(patched.capture_row).parameters
+
+    def run(buffer_type: type) -> list[Any]:
+        buffer = buffer_type(np.dtype(np.uint8), (2,), 4, 2, 8, 2)
+        rows = np.arange(40, dtype=np.uint8).reshape(20, 2)
+        found: list[Any] = []
+        for request_id, start, end in [
+            ("a", 0, 3), ("b", 0, 1), ("a", 3, 5), ("b", 1, 9), ("c", 0, 1), ("a", 9, 10),
+        ]:  # fmt: skip
+            try:
+                blocks = buffer.capture(request_id, start, rows[start:end])
+            except AssertionError as error:
+                found.append(("raise", str(error)))
+                continue
+            found.append([(block_start, block.tolist()) for block_start, block in blocks])
+        return found
+
+    upstream = run(RoutedExpertsBuffer)
+    assert run(patched) == upstream
+    assert upstream[-1][0] == "raise" and any(blocks for blocks in upstream[:-1])

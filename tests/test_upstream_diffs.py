@@ -20,9 +20,11 @@ parity harnesses; here the two runs must agree.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -337,6 +339,117 @@ def test_check_cli_on_the_installed_tree() -> None:
     for name, carrier in CARRIED.items():
         diff = next(d for d in patches.series(RELEASE) if d.name == carrier)
         assert f"{name:28} in {diff.path.name} (part of the {carrier} diff)" in result.stdout
+
+
+# -- changes to vLLM's own tests, carried in the diffs --------------------------------------
+
+#: diff -> the vLLM test files it changes, per release: 06 changes the line of
+#: test_store.py's _make_worker that builds the worker's request state by hand.
+TEST_CHANGES = {
+    release: {"batched_commit": ["tests/distributed/aux_output_connector/test_store.py"]}
+    for release in EXPECTED
+}
+
+
+def _test_lines(diff: Any) -> list[str]:
+    """The changed lines of the diff's test part."""
+    part = diff.part(tests=True).split("\n--- a/", 1)
+    return [
+        line
+        for line in (part[1].splitlines() if len(part) > 1 else [])
+        if line[:1] in ("+", "-") and not line.startswith(("+++ ", "--- "))
+    ]
+
+
+@pytest.mark.parametrize("release", sorted(EXPECTED))
+def test_test_changes_are_named_and_loosen_no_assertion(release: str) -> None:
+    """A diff changes vLLM's tests only where they build or read an internal the fix
+    changes: the listed files, and no changed line asserts, raises, skips or xfails."""
+    diffs = patches.series(release)
+    assert {d.name: d.test_files for d in diffs if d.test_files} == TEST_CHANGES[release]
+    for diff in diffs:
+        lines = _test_lines(diff)
+        assert bool(lines) == bool(diff.test_files), diff.name
+        for line in lines:
+            assert not re.search(r"\bassert|pytest\.(raises|skip|xfail|mark)|\bdel\b", line), (
+                diff.name,
+                line,
+            )
+    (commit,) = [d for d in diffs if d.test_files]
+    assert _test_lines(commit) == [
+        "+    _WorkerRequests,",
+        "-    worker._requests = {}",
+        "+    worker._requests = _WorkerRequests()",
+    ]
+
+
+def test_the_installed_tree_ignores_a_diffs_test_part() -> None:
+    """status/apply on the installed package (no tests/): the package part alone."""
+    diffs = [d for d in patches.series(RELEASE) if d.test_files]
+    for diff in diffs:
+        part = diff.part(tests=False)
+        assert "+++ b/tests/" not in part and "+++ b/vllm/" in part
+        assert diff.part(tests=True).count("+++ b/") == len(diff.test_files)
+        assert set(diff.files).isdisjoint(diff.test_files)
+
+
+def _fake_release(tmp_path: Path, test_source: str) -> tuple[Path, Path, Path]:
+    """A site with vllm/x.py, a sdist with tests/test_x.py, and one diff changing both."""
+    site, sdist, series_dir = tmp_path / "site", tmp_path / "sdist", tmp_path / "p/vllm-0.32.0"
+    (site / "vllm").mkdir(parents=True)
+    (sdist / "tests").mkdir(parents=True)
+    series_dir.mkdir(parents=True)
+    (site / "vllm/x.py").write_text("a = 1\n")
+    (sdist / "tests/test_x.py").write_text(test_source)
+    (sdist / "tests/test_y.py").write_text("untouched = True\n")
+    digest = {f: hashlib.sha256(p.read_bytes()).hexdigest() for f, p in [
+        ("vllm/x.py", site / "vllm/x.py"),
+        ("tests/test_x.py", sdist / "tests/test_x.py"),
+    ]}  # fmt: skip
+    (series_dir / "01-engine_gc.patch").write_text(
+        "[x] a fix (vLLM 0.32.0)\n\n"
+        f"Source-sha256: {digest['vllm/x.py']}  vllm/x.py\n"
+        f"Source-sha256: {digest['tests/test_x.py']}  tests/test_x.py\n\n"
+        "--- a/vllm/x.py\n+++ b/vllm/x.py\n@@ -1 +1 @@\n-a = 1\n+a = 2\n"
+        "--- a/tests/test_x.py\n+++ b/tests/test_x.py\n@@ -1 +1 @@\n-built = {}\n"
+        "+built = Built()\n"
+    )
+    return site, sdist, tmp_path / "p"
+
+
+def test_apply_with_tests_writes_the_changed_tests_beside_the_package(tmp_path: Path) -> None:
+    site, sdist, patches_dir = _fake_release(tmp_path, "built = {}\n")
+    assert patches.status(site, "0.32.0", patches_dir).state == "pristine"
+    out = patches.apply(site, "0.32.0", tmp_path / "out", patches_dir, tests_from=sdist)
+    assert (out / "vllm/x.py").read_text() == "a = 2\n"
+    assert (out / "tests/test_x.py").read_text() == "built = Built()\n"
+    assert (out / "tests/test_y.py").read_text() == "untouched = True\n"
+    assert (sdist / "tests/test_x.py").read_text() == "built = {}\n"  # sdist untouched
+    assert (site / "vllm/x.py").read_text() == "a = 1\n"
+    assert patches.status(out, "0.32.0", patches_dir).state == "applied"
+    # Without --tests: the package part only, no tests/ written.
+    plain = patches.apply(site, "0.32.0", tmp_path / "plain", patches_dir)
+    assert (plain / "vllm/x.py").read_text() == "a = 2\n" and not (plain / "tests").exists()
+
+
+def test_apply_with_tests_refuses_another_releases_tests(tmp_path: Path) -> None:
+    site, sdist, patches_dir = _fake_release(tmp_path, "built = {}\n")
+    (sdist / "tests/test_x.py").write_text("built = {}  # changed\n")
+    with pytest.raises(patches.PatchError, match=r"tests/test_x.py \(sha256 .*diffs want"):
+        patches.apply(site, "0.32.0", tmp_path / "out", patches_dir, tests_from=sdist)
+
+
+def test_a_diff_outside_vllm_and_tests_is_refused(tmp_path: Path) -> None:
+    series_dir = tmp_path / "vllm-0.32.0"
+    series_dir.mkdir()
+    (series_dir / "01-engine_gc.patch").write_text(
+        f"x\n\nSource-sha256: {'0' * 64}  vllm/x.py\n\n"
+        "--- a/setup.py\n+++ b/setup.py\n@@ -1 +1 @@\n-a\n+b\n"
+    )
+    with pytest.raises(
+        patches.PatchError, match=r"touches \['setup.py'\], outside vllm/ and tests/"
+    ):
+        patches.series("0.32.0", tmp_path)
 
 
 # -- parity: the patched tree (overlay off) against the overlay --------------------------------

@@ -377,10 +377,11 @@ def crafted(site: Path) -> dict[str, Any]:
 
 def _count_paths(connector: Any, paths: Counter[str]) -> None:
     """Count, on this connector, the requests its decode runs committed at once
-    (``_commit_decodes``) and the captures its loop body made one at a time, so the
+    (``_commit_decodes``) and the captures its loop body made one at a time
+    (``capture_row``, the buffer's capture keyed by the worker's row), so the
     test can tell that both paths ran (instance attributes over the class's)."""
     commit_decodes = connector._commit_decodes
-    capture = connector._buffer.capture
+    capture = connector._buffer.capture_row
 
     def counted_commit_decodes(pending: Any, rows: Any, first: int, last: int, *rest: Any) -> Any:
         paths["decodes_at_once"] += last - first
@@ -392,7 +393,7 @@ def _count_paths(connector: Any, paths: Counter[str]) -> None:
         return capture(*args)
 
     connector._commit_decodes = counted_commit_decodes
-    connector._buffer.capture = counted_capture
+    connector._buffer.capture_row = counted_capture
 
 
 def main() -> None:

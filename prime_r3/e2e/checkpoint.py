@@ -10,14 +10,15 @@ and uint16 above.
 
 Checkpoints are cached under the checkout's ``.cache/e2e-models/`` (git-ignored) or,
 for an installed prime_r3, ``$XDG_CACHE_HOME/prime_r3/e2e-models``; the directory name
-carries a hash of everything that decides the bytes, so a changed profile or maker
-gives a new directory, never a stale one.
+carries a hash of everything that decides the bytes (the profile, the maker, the torch
+and transformers versions), so a change gives a new directory, never a stale one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata as md
 import json
 import os
 import pathlib
@@ -72,7 +73,10 @@ class Profile:
         }
 
     def key(self) -> str:
-        blob = json.dumps([MAKER_VERSION, self.seed, self.hf_config()], sort_keys=True)
+        """A hash of what decides the bytes: the maker, seed, config and the versions of
+        the torch and transformers that draw and write the weights."""
+        versions = [md.version("torch"), md.version("transformers")]
+        blob = json.dumps([MAKER_VERSION, self.seed, self.hf_config(), versions], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 

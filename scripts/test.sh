@@ -5,6 +5,6 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=release.sh
 . "$ROOT/scripts/release.sh"
-VLLM_VERSION="$VLLM_RELEASE" "$ROOT/scripts/ensure_env.sh"
+VLLM_VERSION="$VLLM_RELEASE" VLLM_BUILD="$VLLM_BUILD_NAME" "$ROOT/scripts/ensure_env.sh"
 cd "$ROOT"
 exec "$VENV/bin/python" -m pytest -q "$@"

@@ -1,6 +1,7 @@
-"""R3's cost on the EngineCore -> client hop (``vllm serve``), upstream vs 02's packed form.
+"""R3's cost on the EngineCore -> client hop (``vllm serve``): upstream, prime_r3, 02's diff.
 
     .venv/bin/python scripts/bench_engine_outputs.py [-n 400,1000] [--rounds 3] [--steps 100]
+        [--arms upstream,prime_r3,diffs]
 
 ``prime-r3 bench`` stops at the scheduler's outputs; under ``vllm serve`` every step's
 ``EngineCoreOutputs`` then goes from EngineCore's output thread to the client's. With R3
@@ -13,8 +14,13 @@ real ipc socket) and of the client side (``recv_multipart``, ``MsgpackDecoder.de
 token each, 46 layers x top-8, uint8) with and without routed experts. The call order
 is the output threads' (``tests/engine_outputs_scenarios.py`` runs the threads
 themselves for parity). Arms, each a fresh interpreter, round-robin ``--rounds`` times:
-``upstream`` (the installed vLLM) and ``diffs`` (a copy patched with ``patches/``).
-R3's increment = with - without, per round; medians, and the ratio upstream / diffs.
+``upstream`` (the installed vLLM, ``PRIME_R3=0``), ``prime_r3`` (the overlay's
+``packed_hop``, applied by ``prime_r3.layer.apply``: the EngineCore side calls the
+installed ``encode_into`` layer in an output thread whose every client declared, as
+``process_output_sockets`` sets it up after the handshake; the client side decodes with
+the decoder ``MPClient.__init__``'s layer installs) and ``diffs`` (a copy patched with
+``patches/``). R3's increment = with - without, per round; medians, and the ratio
+upstream / arm (``tests/test_packed_hop.py`` runs the overlay's real threads for parity).
 """
 
 from __future__ import annotations
@@ -52,6 +58,19 @@ def measure(sizes: list[int], steps: int) -> dict[str, dict[str, float]]:
     pull.connect(path)
     encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
     packs = hasattr(EngineCoreOutputs, "pack_routed_experts")
+    if os.environ.get("PRIME_R3") != "0":
+        from prime_r3 import layer
+        from prime_r3.fixes import packed_hop
+
+        state = layer.apply(names=["packed_hop"]).outcome("packed_hop").state
+        assert state == layer.APPLIED, state
+        # The output thread's record once its one client declared (the handshake).
+        engine = type("EngineCoreProc", (), {})()  # the record is keyed weakly on it
+        record = packed_hop._record(engine)
+        record.clients, record.declared = 1, {0}
+        record.update()
+        packed_hop._thread.record = record
+        decoder = packed_hop.reading_decoder(decoder)
     rng = np.random.default_rng(0)
     result: dict[str, dict[str, float]] = {}
     for n in sizes:
@@ -96,6 +115,7 @@ def main() -> None:
     parser.add_argument("-n", default="400,1000")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--arms", default="upstream,prime_r3,diffs")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = [int(x) for x in args.n.split(",")]
@@ -111,15 +131,24 @@ def main() -> None:
     tree = Path(patches.apply(site, vllm.__version__, Path(tempfile.mkdtemp())))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_R3")}
     env.update(PRIME_R3="0", VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="ERROR")
-    arms = {"upstream": [str(ROOT)], "diffs": [str(tree), str(ROOT)]}
+    paths = {"upstream": [str(ROOT)], "prime_r3": [str(ROOT)], "diffs": [str(tree), str(ROOT)]}
+    chosen = args.arms.split(",")
+    if chosen[0] != "upstream" or not set(chosen) <= set(paths):
+        parser.error(f"--arms={args.arms!r}: upstream first, then any of prime_r3, diffs")
+    arms = {arm: paths[arm] for arm in chosen}
     rounds: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     for r in range(args.rounds):
         for arm, path in arms.items():
             command = [sys.executable, __file__, "--measure", "-n", args.n]
             command += ["--steps", str(args.steps)]
+            overlay = {"PRIME_R3": "1", "PRIME_R3_PATCHES": "packed_hop"}
             out = subprocess.run(
                 command,
-                env={**env, "PYTHONPATH": os.pathsep.join(path)},
+                env={
+                    **env,
+                    **(overlay if arm == "prime_r3" else {}),
+                    "PYTHONPATH": os.pathsep.join(path),
+                },
                 capture_output=True,
                 text=True,
                 check=True,
@@ -139,14 +168,15 @@ def main() -> None:
                     f"{n:>5} {side:7} {arm:9} {statistics.median(off):8.0f} "
                     f"{statistics.median(on):8.0f} {statistics.median(increments[arm]):10.0f}"
                 )
-            ratios = [
-                u / d for u, d in zip(increments["upstream"], increments["diffs"], strict=True)
-            ]
-            print(
-                f"{n:>5} {side:7} increment upstream/diffs per round: "
-                + " ".join(f"{x:.2f}" for x in ratios)
-                + f", median {statistics.median(ratios):.2f}x"
-            )
+            for arm in list(arms)[1:]:
+                ratios = [
+                    u / d for u, d in zip(increments["upstream"], increments[arm], strict=True)
+                ]
+                print(
+                    f"{n:>5} {side:7} increment upstream/{arm} per round: "
+                    + " ".join(f"{x:.2f}" for x in ratios)
+                    + f", median {statistics.median(ratios):.2f}x"
+                )
 
 
 if __name__ == "__main__":

@@ -59,6 +59,8 @@ def measure(sizes: list[int], steps: int) -> dict[str, dict[str, float]]:
     encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
     packs = hasattr(EngineCoreOutputs, "pack_routed_experts")
     if os.environ.get("PRIME_R3") != "0":
+        from vllm.v1.engine import core_client  # noqa: F401 - the client side's targets
+
         from prime_r3 import layer
         from prime_r3.fixes import packed_hop
 

@@ -228,7 +228,17 @@ def run_sync(case: str) -> dict[str, Any]:
     ready.join()
     threads = [made[0], _start_output_thread(engine, [b for _, b in clients])]
     declared = _wait_declared(client)
-    result = {"declared": declared, "scenarios": _send_all(engine, client.get_output)}
+    output_thread = threads[1]
+
+    def get() -> Any:  # the real get_output, once the output thread has sent something
+        deadline = time.monotonic() + 30
+        while client.outputs_queue.empty():
+            if not output_thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the EngineCore output thread sent nothing (see stderr)")
+            time.sleep(0.001)
+        return client.get_output()
+
+    result = {"declared": declared, "scenarios": _send_all(engine, get)}
     result["status_note"] = layer.status().outcome("packed_hop").reason  # engine alive
     if other is not None:
         # What the undeclared client receives: upstream's frames.

@@ -58,7 +58,9 @@ may already have packed steps in flight to it), so it never drops rows.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 import threading
 import uuid
 import weakref
@@ -212,38 +214,100 @@ def _packed_type() -> Any:
     return packed_type
 
 
-def pack(outputs: Any) -> tuple[Any, list[tuple[Any, Any]]] | None:
-    """``outputs`` as a ``PackedEngineCoreOutputs`` and the (output, array) pairs taken
-    off its outputs (to put back after encoding), or None: nothing to pack (02's
-    ``pack_routed_experts`` rule)."""
+_ROUTED = "routed_experts"
+_get_routed = operator.attrgetter(_ROUTED)
+
+
+def pack(outputs: Any) -> tuple[Any, list[Any], list[Any]] | None:
+    """``outputs`` as a ``PackedEngineCoreOutputs``, with the outputs whose arrays it
+    took and those arrays (``restore`` puts them back after encoding), or None: nothing
+    to pack (02's ``pack_routed_experts`` rule). Each pass over the outputs is one
+    C-level map: at a decode step of 1000 outputs a Python loop per pass would cost
+    more than the frames it saves."""
     import numpy as np
 
     outs = outputs.outputs
-    arrays = [output.routed_experts for output in outs]
-    present = [rows for rows in arrays if rows is not None]
-    if len(present) < 2 or set(map(type, present)) != {np.ndarray}:
+    arrays = list(map(_get_routed, outs))
+    try:  # every output has an array (a decode step's common case); else AttributeError
+        alike = set(map(_get_alike, arrays))
+    except AttributeError:
+        if all(map(operator.is_, arrays, itertools.repeat(None))):  # R3 off: no rows
+            return None
+    else:
+        fast = _pack_alike(arrays, alike, np)
+        if fast is not None:
+            return _packed(outputs, outs, arrays, *fast)
+    kinds = set(map(type, arrays))
+    if kinds == {np.ndarray}:
+        taken_outs, present = outs, arrays
+    elif kinds == {np.ndarray, type(None)}:
+        taken_outs = [o for o, a in zip(outs, arrays, strict=True) if a is not None]
+        present = list(map(_get_routed, taken_outs))
+    else:  # no rows, or something else than plain ndarrays
+        return None
+    if len(present) < 2 or present[0].dtype.kind in "OV":  # the encoder pickles those
         return None
     try:
+        lens = list(map(len, present))  # TypeError for a 0-d array
         first = present[0]
         row_nbytes = first.itemsize * int(np.prod(first.shape[1:]))
         max_rows = -(-_LARGE_BYTES // max(row_nbytes, 1))
-        if max(map(len, present)) >= max_rows:
-            arrays = [None if a is None or len(a) >= max_rows else a for a in arrays]
-            present = [rows for rows in arrays if rows is not None]
+        if max(lens) >= max_rows:  # a prefill's rows keep their own frames
+            keep = [n < max_rows for n in lens]
+            taken_outs = [o for o, k in zip(taken_outs, keep, strict=True) if k]
+            present = [a for a, k in zip(present, keep, strict=True) if k]
+            lens = [n for n in lens if n < max_rows]
             if len(present) < 2:
                 return None
         rows = np.concatenate(present, casting="no")
     except (TypeError, ValueError):  # dtypes, per-token shapes, 0-d arrays
         return None
-    counts = np.array([-1 if a is None else len(a) for a in arrays], dtype=np.int64)
-    taken = []
-    for output, array in zip(outs, arrays, strict=True):
-        if array is not None:
-            taken.append((output, array))
-            output.routed_experts = None
+    if taken_outs is outs:
+        counts = np.array(lens, dtype=np.int64)
+    else:
+        places = {id(o): n for o, n in zip(taken_outs, lens, strict=True)}
+        counts = np.array([places.get(id(o), -1) for o in outs], dtype=np.int64)
+    return _packed(outputs, taken_outs, present, counts, rows)
+
+
+def _packed(outputs: Any, taken_outs: list[Any], present: list[Any], counts: Any, rows: Any) -> Any:
+    n = len(taken_outs)
+    list(map(setattr, taken_outs, itertools.repeat(_ROUTED, n), itertools.repeat(None, n)))
     cls = _packed_type()
     values = [getattr(outputs, name) for name in _types["fields"]]
-    return cls(*values, (counts, rows)), taken
+    return cls(*values, (counts, rows)), taken_outs, present
+
+
+#: An array's class, shape and dtype: arrays alike in all three are joined.
+_get_alike = operator.attrgetter("__class__", "shape", "dtype")
+
+
+def _pack_alike(arrays: list[Any], alike: set[Any], np: Any) -> tuple[Any, Any] | None:
+    """``(counts, rows)`` when every output has a plain ndarray, all of one shape and
+    dtype and under 8 KiB (a decode step's, one row each; ``alike`` is the set of their
+    class, shape and dtype), else None (``pack``'s general way).
+
+    The arrays' bytes are joined rather than concatenated by numpy: C-contiguous
+    arrays' bytes laid end to end are their concatenation along the first axis, and
+    ``bytes.join`` reads each array's buffer without numpy's per-array dispatch. A
+    non-contiguous array exports no simple buffer: None then, and numpy concatenates."""
+    if len(arrays) < 2 or len(alike) != 1:
+        return None
+    ((cls, shape, dtype),) = alike
+    first = arrays[0]
+    if cls is not np.ndarray or not shape or dtype.kind in "OV" or first.nbytes >= _LARGE_BYTES:
+        return None
+    try:
+        data = b"".join(arrays)
+    except (BufferError, TypeError, ValueError):
+        return None
+    rows = np.frombuffer(data, dtype).reshape(len(arrays) * shape[0], *shape[1:])
+    return np.full(len(arrays), shape[0], dtype=np.int64), rows
+
+
+def restore(taken_outs: list[Any], arrays: list[Any]) -> None:
+    """Put back the arrays ``pack`` took off their outputs."""
+    list(map(setattr, taken_outs, itertools.repeat(_ROUTED, len(arrays)), arrays))
 
 
 def unpack(got: Any) -> Any:
@@ -270,8 +334,8 @@ def unpack(got: Any) -> Any:
     if len(rows) == len(outputs) and bool((counts == 1).all()):
         # A decode step, one row each: iterating the array makes the views.
         views = rows.reshape(len(rows), 1, *rows.shape[1:])
-        for output, view in zip(outputs, views, strict=True):
-            output.routed_experts = view.copy()
+        copies = list(map(np.ndarray.copy, views))  # each output its own array
+        list(map(setattr, outputs, itertools.repeat(_ROUTED, len(copies)), copies))
         return result
     if len(counts) and int(counts.min()) < -1:
         raise ValueError(
@@ -359,12 +423,11 @@ def _encode_into(params: Mapping[str, Any]) -> Callable[[Callable[..., Any]], An
             if packed is None:
                 counters.upstream_steps["as_is"] += 1
                 return upstream(self, obj, buf)
-            message, taken = packed
+            message, taken_outs, arrays = packed
             try:
                 buffers = upstream(self, message, buf)
             finally:
-                for output, array in taken:
-                    output.routed_experts = array
+                restore(taken_outs, arrays)
             counters.packed_steps += 1
             return buffers
 

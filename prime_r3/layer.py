@@ -389,7 +389,18 @@ def _in_force(spec: PatchSpec, installed: str) -> Outcome | None:
     waiting = state.pending_modules(spec.name)
     if waiting:
         return _outcome(spec, PENDING, _waiting_reason(waiting))
-    return _outcome(spec, installed, _stack_note(spec, live=True))
+    notes = [_stack_note(spec, live=True), _live_note(spec)]
+    return _outcome(spec, installed, "; ".join(n for n in notes if n))
+
+
+def _live_note(spec: PatchSpec) -> str:
+    """The patch's own account of what it does in this process (``live_note``)."""
+    if spec.live_note is None:
+        return ""
+    try:
+        return spec.live_note()
+    except Exception as error:  # noqa: BLE001 - status must not break on a note
+        return f"live note failed: {type(error).__name__}: {error}"
 
 
 def _inert_outcome(spec: PatchSpec, predict_sweep: bool = False) -> Outcome | None:

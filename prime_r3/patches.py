@@ -12,6 +12,7 @@ from prime_r3.fixes import (
     batched_meta,
     batched_take,
     engine_gc,
+    packed_hop,
     packed_outputs,
     store_arena,
     store_eviction,
@@ -31,6 +32,7 @@ REGISTRY: tuple[PatchSpec, ...] = (
     batched_take.SPEC,
     batched_meta.SPEC,
     store_arena.SPEC,
+    packed_hop.SPEC,
 )
 
 

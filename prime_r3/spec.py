@@ -159,6 +159,10 @@ class PatchSpec:
     #: form is a change to that patch's code, so it has no diff of its own); empty
     #: when it has its own. ``scripts/patches.py`` checks that patch has a diff.
     diff_in: str = ""
+    #: What the patch does in this process now, for ``status`` and the log (e.g. a
+    #: patch that only takes effect once a handshake between processes succeeded);
+    #: called while the patch is installed, its text appended to the outcome's reason.
+    live_note: Callable[[], str] | None = None
 
     def __post_init__(self) -> None:
         # Refused here, not in scripts/patches.py: a record that is both carried and

@@ -108,20 +108,26 @@ def print_applied(arms: Sequence[str], results: dict[str, list[dict[str, Any]]])
 
 
 def run_child(
-    script: str, argv: list[str], path: str, arm: str, vllm_tree: str | None = None
+    script: str,
+    argv: list[str],
+    path: str,
+    arm: str,
+    vllm_tree: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run ``script argv`` in a fresh interpreter with ``path`` first on ``PYTHONPATH``
     (and as its working directory); its last stdout line is a JSON row whose
     ``package`` must be ``path``'s prime_r3 (else the arm measured another version).
     With ``vllm_tree`` (a directory holding a ``vllm/`` package, e.g. one built by
     ``scripts/patches.py apply --out``) that tree goes first, and the row's ``vllm``
-    must be its package; without it, the row's ``vllm`` must be the installed one."""
+    must be its package; without it, the row's ``vllm`` must be the installed one.
+    ``env`` is set over this environment for that arm only."""
     out = subprocess.run(
         [sys.executable, script, *argv],
         check=True,
         capture_output=True,
         text=True,
-        env=child_env(path, vllm_tree),
+        env={**child_env(path, vllm_tree), **(env or {})},
         cwd=path,
     ).stdout
     row = json.loads(out.strip().splitlines()[-1])

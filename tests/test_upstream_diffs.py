@@ -112,7 +112,7 @@ PENDING: dict[str, list[str]] = {
     "0.33.0": [],
 }
 #: Registry patches whose upstream form is part of another patch's diff (``diff_in``).
-CARRIED = {"batched_take": "packed_outputs"}
+CARRIED = {"batched_take": "packed_outputs", "packed_hop": "packed_outputs"}
 
 
 @pytest.mark.parametrize("release", sorted(EXPECTED))
@@ -154,6 +154,7 @@ def test_a_diff_for_a_carried_patch_or_a_missing_carrier_is_reported(tmp_path: P
         "registry patch 'batched_commit' applies to 0.32.0 but has no diff",
         "registry patch 'batched_begin' applies to 0.32.0 but has no diff",
         "registry patch 'batched_take' is carried by the packed_outputs diff, which 0.32.0 lacks",
+        "registry patch 'packed_hop' is carried by the packed_outputs diff, which 0.32.0 lacks",
     ]
 
 

@@ -1,0 +1,201 @@
+"""packed_hop: the EngineCore -> client hop, overlay against upstream, real code both ends.
+
+``tests/hop_scenarios.py`` runs vLLM's real ``process_output_sockets`` thread, a real ZMQ
+socket, vLLM's real ``SyncMPClient`` and ``AsyncMPClient`` (their constructors and output
+loops) and the real ``_handle_client_request`` for the handshake, once with the overlay
+(``PRIME_R3_PATCHES=packed_hop``) and once with ``PRIME_R3=0``: what the clients get must
+be identical field by field (types, bytes, dtype, shape, flags), from fewer frames.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import engine_outputs_scenarios as scenarios
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKED = ("decode_400", "mixed", "uint16", "prefill")
+
+
+def _start(out: Path, cases: str, env_vars: dict[str, str]) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_R3")}
+    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="ERROR", **env_vars)
+    env["PYTHONPATH"] = str(ROOT)
+    command = [sys.executable, "-m", "tests.hop_scenarios", str(out), cases]
+    return subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _finish(out: Path, process: subprocess.Popen[str]) -> dict[str, Any]:
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-6000:]
+    return pickle.loads(out.read_bytes())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Three interpreters, run side by side (each is mostly its imports)."""
+    tmp = tmp_path_factory.mktemp("hop")
+    arms = {
+        "overlay": ("both,mixed,engine_only", {"PRIME_R3_PATCHES": "packed_hop"}),
+        "upstream": ("both", {"PRIME_R3": "0"}),
+        "disabled": ("both", {"PRIME_R3_PATCHES": "packed_outputs"}),
+    }
+    started = {arm: _start(tmp / f"{arm}.pickle", *spec) for arm, spec in arms.items()}
+    found = {arm: _finish(tmp / f"{arm}.pickle", process) for arm, process in started.items()}
+    return {
+        "overlay": found["overlay"]["both"],
+        "mixed": found["overlay"]["mixed"],
+        "engine_only": found["overlay"]["engine_only"],
+        "upstream": found["upstream"]["both"],
+        "disabled": found["disabled"]["both"],
+    }
+
+
+@pytest.mark.parametrize("client", ["sync", "async"])
+def test_the_clients_get_what_upstreams_clients_get(runs: dict, client: str) -> None:
+    overlay, upstream = runs["overlay"], runs["upstream"]
+    assert overlay[client]["declared"] == ["acknowledged"]
+    got, want = overlay[client]["scenarios"], upstream[client]["scenarios"]
+    assert list(got) == list(want) and len(want) >= 9
+    for name in want:
+        for key in ("outputs", "type", "output_types", "sent_left"):
+            assert got[name][key] == want[name][key], (client, name, key)
+        # An output the client keeps pins its own rows, never the step's.
+        for mine, theirs in zip(got[name]["pinned"], want[name]["pinned"], strict=True):
+            assert (mine is None) == (theirs is None) and (mine is None or mine <= theirs)
+    counters = overlay[f"counters_{client}"]
+    assert counters["packed_steps"] == counters["read_packed"] == len(PACKED)
+
+
+@pytest.mark.parametrize("client", ["sync", "async"])
+def test_a_declared_step_travels_in_a_few_frames(runs: dict, client: str) -> None:
+    got = runs["overlay"][client]["scenarios"]
+    want = runs["upstream"][client]["scenarios"]
+    specs = dict(scenarios.scenarios())
+    for name in want:
+        (sent,), (before,) = got[name]["wire"], want[name]["wire"]
+        if name not in PACKED:
+            assert sent == before, name  # nothing to pack: upstream's bytes
+            continue
+        left = sum(
+            s["routed_experts"] is not None and s["routed_experts"].nbytes >= 8192
+            for s in specs[name]
+        )
+        assert len(sent) <= 3 + left and len(sent) < len(before), name
+        assert all(frame in sent[1:] for frame in before[1:] if len(frame) >= 8192), name
+    assert len(want["decode_400"]["wire"][0]) == 401 and len(got["decode_400"]["wire"][0]) == 3
+
+
+def test_a_client_with_the_patch_off_gets_upstreams_frames(runs: dict) -> None:
+    """PRIME_R3=0 (the whole overlay off) and the patch not selected: no declaration,
+    and upstream's bytes for every scenario."""
+    want = runs["upstream"]["sync"]["scenarios"]
+    for arm in ("upstream", "disabled"):
+        assert runs[arm]["sync"]["declared"] == [], arm
+        assert runs[arm]["state"] == "disabled", arm
+    for name, run in runs["disabled"]["sync"]["scenarios"].items():
+        assert run["wire"] == want[name]["wire"], name
+
+
+def test_an_engine_with_the_patch_sends_upstreams_frames_to_a_client_without_it(
+    runs: dict,
+) -> None:
+    engine_only = runs["engine_only"]
+    assert engine_only["sync"]["declared"] == []
+    assert engine_only["counters_sync"]["packed_steps"] == 0
+    assert engine_only["counters_sync"]["upstream_steps"]["undeclared"] >= 10
+    want = runs["upstream"]["sync"]["scenarios"]
+    for name, run in engine_only["sync"]["scenarios"].items():
+        assert run["wire"] == want[name]["wire"] and run["outputs"] == want[name]["outputs"]
+
+
+def test_a_mixed_deployment_falls_back_to_upstream_for_every_client(runs: dict) -> None:
+    """Two clients on one engine, one declared: the engine packs for neither (the
+    declared client reads upstream's messages as they are), and the other client's
+    frames are upstream's."""
+    mixed, want = runs["mixed"], runs["upstream"]["sync"]["scenarios"]
+    assert mixed["sync"]["declared"] == ["acknowledged"]
+    assert mixed["counters_sync"]["packed_steps"] == 0
+    for name, run in mixed["sync"]["scenarios"].items():
+        assert run["wire"] == want[name]["wire"] and run["outputs"] == want[name]["outputs"]
+    assert mixed["sync"]["other_frames"] == want["decode_400"]["wire"][0]
+    assert "1 of 2 client(s) declared" in mixed["status_note"]
+
+
+def test_status_says_what_the_hop_does_in_the_process(runs: dict) -> None:
+    note = runs["overlay"]["status_note"]
+    assert "1 of 1 client(s) declared, packing" in note and "engine 0 acknowledged" in note
+
+
+def test_a_malformed_packed_pair_is_refused_by_name(runs: dict) -> None:
+    malformed = runs["overlay"]["malformed"]
+    assert set(malformed) == {name for name, *_ in scenarios.malformed_pairs()}
+    for name, (kind, message) in malformed.items():
+        assert kind == "ValueError", (name, kind, message)
+        assert message.startswith("packed routed experts"), (name, message)
+
+
+# -- in this process: revert, foreign layers ------------------------------------------------
+
+
+def _targets() -> list[tuple[Any, str, Any]]:
+    import importlib
+
+    from prime_r3.fixes import packed_hop
+
+    found = []
+    for target in packed_hop.SPEC.targets:
+        owner_name, _, attr = target.attr.rpartition(".")
+        owner = getattr(importlib.import_module(target.module), owner_name)
+        found.append((owner, attr, owner.__dict__[attr]))
+    return found
+
+
+def test_revert_restores_upstreams_objects() -> None:
+    from prime_r3 import layer
+
+    before = _targets()
+    try:
+        report = layer.apply(names=["packed_hop"], environ={})
+        assert report.outcome("packed_hop").state == layer.APPLIED
+        assert all(owner.__dict__[attr] is not orig for owner, attr, orig in before)
+    finally:
+        layer.revert(["packed_hop"])
+    assert all(owner.__dict__[attr] is orig for owner, attr, orig in before)
+
+
+def test_a_foreign_wrapped_target_is_skipped_with_a_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    from prime_r3 import layer
+
+    upstream = MsgpackEncoder.__dict__["encode_into"]
+
+    @functools.wraps(upstream)
+    def foreign(self, obj, buf):  # noqa: ANN001, ANN202 - another tool's layer
+        return upstream(self, obj, buf)
+
+    monkeypatch.setattr(MsgpackEncoder, "encode_into", foreign)
+    before = _targets()
+    try:
+        with pytest.raises(layer.PatchNotApplied) as raised:
+            layer.apply(names=["packed_hop"], environ={})
+        outcome = raised.value.report.outcome("packed_hop")
+        assert outcome.state == layer.SKIPPED, outcome
+        assert "MsgpackEncoder.encode_into is not upstream's plain object" in outcome.reason
+        # Never half-applied: every target is as it was.
+        assert all(owner.__dict__[attr] is orig for owner, attr, orig in before)
+    finally:
+        layer.revert(["packed_hop"])

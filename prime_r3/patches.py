@@ -13,6 +13,9 @@ from prime_r3.fixes import (
     batched_take,
     engine_gc,
     packed_outputs,
+    response_b64,
+    response_json,
+    response_rows,
     store_arena,
     store_eviction,
     store_growth,
@@ -31,6 +34,9 @@ REGISTRY: tuple[PatchSpec, ...] = (
     batched_take.SPEC,
     batched_meta.SPEC,
     store_arena.SPEC,
+    response_rows.SPEC,
+    response_b64.SPEC,
+    response_json.SPEC,
 )
 
 

@@ -109,8 +109,8 @@ def test_wave_overlay_applied_its_fast_paths(waves: dict[str, Any]) -> None:
     )
     counters = prime["counters"]
     assert counters["response_rows"] == {"fast": samples, "fallback": {}}
-    # Streamed or not, a sample's rows go out once, when it finishes.
-    assert counters["response_b64"] == {"fast": samples, "fallback": {}}
+    # Streamed or not, a sample's rows go out once, when it finishes, encoded off the loop.
+    assert counters["response_b64"] == {"fast": samples, "off_loop": samples, "fallback": {}}
     assert counters["response_json"]["strings"] == non_streaming
     assert not counters["response_json"]["fallback"]
     upstream = waves["upstream"]["summary"]["prime_r3"]
@@ -244,6 +244,7 @@ def test_b64_falls_back_where_np_save_is_not_header_plus_c_bytes() -> None:
         response_b64.encode(array, numpy2base64)
     assert response_b64.COUNTERS.snapshot() == {
         "fast": 0,
+        "off_loop": 0,
         "fallback": {"layout": 1, "byteorder": 1, "not_ndarray": 1},
     }
     with pytest.raises(ValueError, match="Object arrays cannot be saved"):
@@ -311,3 +312,38 @@ def test_json_a_placeholder_in_the_content_falls_back(monkeypatch: pytest.Monkey
     response_json.COUNTERS.reset()
     assert _render(content) == _upstream_body(content)
     assert response_json.COUNTERS.snapshot()["fallback"] == {"placeholder": 1}
+
+
+def test_b64_off_loop_passes_outputs_on_and_hands_the_same_string() -> None:
+    """``encoded_off_loop`` yields what it gets; the string made in the executor is the
+    one ``numpy2base64`` is then given for that array, equal to upstream's; an entry goes
+    with its array."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm.utils.serial_utils import numpy2base64
+
+    big = np.random.default_rng(0).integers(0, 256, (400, 46, 8), dtype=np.uint8)
+    small = np.zeros((2, 46, 8), np.uint8)
+    results = [
+        SimpleNamespace(finished=False, outputs=[SimpleNamespace(routed_experts=None)]),
+        SimpleNamespace(
+            finished=True, outputs=[SimpleNamespace(routed_experts=a) for a in (big, small)]
+        ),
+    ]
+
+    async def source():  # noqa: ANN202
+        for r in results:
+            yield r
+
+    async def run() -> list[Any]:
+        return [r async for r in response_b64.encoded_off_loop(source())]
+
+    response_b64.COUNTERS.reset()
+    assert asyncio.run(run()) == results
+    assert list(response_b64._ENCODED) == [id(big)]  # the small one is encoded inline
+    assert response_b64.encode(big, numpy2base64) == numpy2base64(big)
+    assert response_b64.COUNTERS.snapshot()["off_loop"] == 1 and not response_b64._ENCODED
+    asyncio.run(run())
+    del results[1], big
+    assert not response_b64._ENCODED  # gone with its array

@@ -28,7 +28,8 @@ Shapes: ``writeup`` (``--requests`` requests of a 16-token prompt, each generati
 engine sends them for samples whose prompt blocks come from the store).
 
 Arms: ``off`` (R3 off, ``PRIME_R3=0``), ``upstream`` (R3 on, ``PRIME_R3=0``), ``prime``
-(R3 on, prime_r3 as the plugin applies it), alternated in each round. Per arm, the median
+(R3 on, prime_r3 as the plugin applies it), and on request ``prime_gc`` (``prime`` with
+``PRIME_R3_ENGINE_GC_API_SERVER=1``), alternated in each round. Per arm, the median
 over rounds of: the loop's longest stall and p99 lag during the wave and during its
 finish (from the engine's last step to the last response), ``/health`` latency (max,
 p99), client errors, API-server CPU (all threads) per response over the wave, peak RSS,
@@ -62,7 +63,8 @@ from typing import Any
 LAYERS, TOPK, EXPERTS, VOCAB = 46, 8, 128, 32000
 PROBE_S = 0.005
 HEALTH_S = 0.05
-ARMS = ("off", "upstream", "prime")
+ARMS = ("off", "upstream", "prime", "prime_gc")
+DEFAULT_ARMS = ("off", "upstream", "prime")
 
 
 # -- shapes ------------------------------------------------------------------------
@@ -563,6 +565,8 @@ def arm_env(arm: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     env.update(VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="WARNING")
     if arm in ("off", "upstream"):
         env["PRIME_R3"] = "0"
+    if arm == "prime_gc":  # engine_gc's thresholds in the API server too
+        env["PRIME_R3_ENGINE_GC_API_SERVER"] = "1"
     env.update(extra or {})
     return env
 
@@ -607,7 +611,7 @@ def run_arm(
             stdout=logs["engine"],
             stderr=subprocess.STDOUT,
         )
-        _wait_healthy(port, procs, deadline=time.monotonic() + 180)
+        _wait_healthy(port, procs, deadline=time.monotonic() + 600)
         client = subprocess.run(
             [*me, "client", "--port", str(port), "--shape", json.dumps(asdict(shape))]
             + ["--stream", str(int(stream)), "--timeout", str(timeout), "--out", files["client"]]
@@ -659,7 +663,7 @@ def _wait_healthy(port: int, procs: dict[str, subprocess.Popen], deadline: float
         except OSError:
             pass
         time.sleep(0.5)
-    raise RuntimeError("the API server did not answer /health within 180 s")
+    raise RuntimeError("the API server did not answer /health within 600 s")
 
 
 def summarise(
@@ -775,7 +779,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=0)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"from {','.join(ARMS)}")
     p.add_argument("--stream", action="store_true")
     p.add_argument(
         "--step-ms", type=float, default=0.0, help="engine step pacing (0: as fast as read)"

@@ -14,6 +14,9 @@ from prime_r3.fixes import (
     engine_gc,
     packed_hop,
     packed_outputs,
+    response_b64,
+    response_json,
+    response_rows,
     store_arena,
     store_eviction,
     store_growth,
@@ -33,6 +36,9 @@ REGISTRY: tuple[PatchSpec, ...] = (
     batched_meta.SPEC,
     store_arena.SPEC,
     packed_hop.SPEC,
+    response_rows.SPEC,
+    response_b64.SPEC,
+    response_json.SPEC,
 )
 
 

@@ -22,14 +22,19 @@ def _run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 #: in 0.33, read in its source).
 _STORE = ("store_eviction", "store_headroom", "store_growth")
 _BATCHED = ("batched_commit", "batched_begin", "batched_take", "batched_meta", "store_arena")
+_FRONT_END = ("response_rows", "response_b64", "response_json")
 EXPECTED_STATES = {
-    "0.31.0": dict.fromkeys(("engine_gc", "packed_outputs", *_STORE, *_BATCHED), "would_apply"),
-    "0.32.0": dict.fromkeys(("engine_gc", "packed_outputs", *_STORE, *_BATCHED), "would_apply"),
+    "0.31.0": dict.fromkeys(
+        ("engine_gc", "packed_outputs", *_STORE, *_BATCHED, *_FRONT_END), "would_apply"
+    ),
+    "0.32.0": dict.fromkeys(
+        ("engine_gc", "packed_outputs", *_STORE, *_BATCHED, *_FRONT_END), "would_apply"
+    ),
     "0.33.0": {
         "engine_gc": "would_apply",
         "packed_outputs": "would_apply",
         **dict.fromkeys(_STORE, "skipped"),
-        **dict.fromkeys(_BATCHED, "would_apply"),
+        **dict.fromkeys((*_BATCHED, *_FRONT_END), "would_apply"),
     },
 }
 

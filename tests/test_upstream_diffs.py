@@ -5,8 +5,8 @@ patch that has one (the six fixes, batched_commit and batched_begin, whose diffs
 the output worker's request state in arrays, and batched_meta); 0.33.0 carries
 engine_gc, packed_outputs, batched_commit, batched_begin, batched_meta and store_arena,
 because the other store patches are fixed upstream there (the registry says so, and a
-test ties the two). No patch is pending a diff today (``PENDING``; a record's
-``diff_pending`` would say why). batched_take has no diff of its own: packed_outputs'
+test ties the two). The API server's response patches have no diff yet (``PENDING``;
+their records' ``diff_pending`` say why). batched_take has no diff of its own: packed_outputs'
 diff carries its upstream form (``CARRIED``, the record's ``diff_in``).
 
 The parity tests build one patched copy of the installed ``vllm`` package per session
@@ -105,14 +105,17 @@ def test_one_diff_per_applicable_registry_patch(release: str) -> None:
 
 
 #: Registry patches with no diff yet, per release (their record's ``diff_pending`` says
-#: why): none today (batched_commit/batched_begin were pending on 0.33.0 until ported).
+#: why): the API server's response patches (issue 26), overlay-only so far
+#: (batched_commit/batched_begin were pending on 0.33.0 until ported).
+_FRONT_END = ["response_rows", "response_b64", "response_json"]
 PENDING: dict[str, list[str]] = {
-    "0.31.0": [],
-    "0.32.0": [],
-    "0.33.0": [],
+    "0.31.0": _FRONT_END,
+    "0.32.0": _FRONT_END,
+    "0.33.0": _FRONT_END,
 }
 #: Registry patches whose upstream form is part of another patch's diff (``diff_in``).
 CARRIED = {"batched_take": "packed_outputs", "packed_hop": "packed_outputs"}
+REGISTRY_BY_NAME = {spec.name: spec for spec in REGISTRY}
 
 
 @pytest.mark.parametrize("release", sorted(EXPECTED))
@@ -173,8 +176,9 @@ def test_a_diff_pending_for_one_release_only_is_reported_there(
         for spec in REGISTRY
     )
     monkeypatch.setattr(prime_r3.patches, "REGISTRY", registry)
-    assert patches.registry_pending("0.33.0") == {"batched_commit": reason}
-    assert patches.registry_pending("0.32.0") == {}
+    front_end = {name: REGISTRY_BY_NAME[name].diff_pending for name in _FRONT_END}
+    assert patches.registry_pending("0.33.0") == {"batched_commit": reason, **front_end}
+    assert patches.registry_pending("0.32.0") == front_end
     problems = patches.registry_mismatch("0.33.0", patches.series("0.33.0"))
     assert problems == [
         f"diff 06-batched_commit.patch exists but the registry says it has none yet: {reason}"

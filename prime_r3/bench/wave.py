@@ -1,0 +1,844 @@
+"""The front-end wave: many long R3 requests finishing together on vLLM's real API server.
+
+    python -m prime_r3.bench.wave [--shape writeup|grpo] [--requests 100] [--rounds 3]
+        [--arms off,upstream,prime] [--stream] [--quick] [--json FILE]
+
+Three processes per arm, over 127.0.0.1 and ZMQ:
+
+* the **API server**: vLLM's own ``run_server_worker`` (uvicorn, vLLM's FastAPI app and
+  routes, the real ``AsyncLLM`` client, output processor and ``/inference/v1/generate``
+  serving code, ``--enable-scale-out``), given the engine's socket addresses as a
+  multi-API-server worker is (``client_config``), so it starts no engine of its own. A
+  probe task on its event loop sleeps 5 ms at a time and records how late it wakes;
+* an **EngineCore stand-in** (the real CPU engine runs ~0.65 s a step: a 16k-token wave
+  would take hours): it joins with vLLM's handshake (a DEALER with the engine's identity
+  sending an ``EngineCoreReadyResponse``), answers the client's utility calls, and
+  once every request of the wave has arrived runs the wave's steps, each an
+  ``EngineCoreOutputs`` of real ``EngineCoreOutput``s put on the queue of vLLM's real
+  output thread (``EngineCoreProc.process_output_sockets``: vLLM's msgspec encoder and
+  zero-copy frames). A request's first output carries its prompt rows (one array), every
+  later one one row; all finish (``length``) in the same step;
+* a **client**: aiohttp, every request at once, plus a ``/health`` request every 50 ms
+  during the wave; it stops by itself (``--timeout``).
+
+Shapes: ``writeup`` (``--requests`` requests of a 16-token prompt, each generating
+``--max-tokens`` 16384 tokens: 16k row chunks of 46 x 8 uint8 each) and ``grpo``
+(``--requests`` samples, in groups of ``--n`` of one ``--prompt-len`` 12288-token prompt,
+4096 tokens each; every sample's first output carries the prompt's rows, as upstream's
+engine sends them for samples whose prompt blocks come from the store).
+
+Arms: ``off`` (R3 off, ``PRIME_R3=0``), ``upstream`` (R3 on, ``PRIME_R3=0``), ``prime``
+(R3 on, prime_r3 as the plugin applies it), and on request ``prime_gc`` (``prime`` with
+``PRIME_R3_ENGINE_GC_API_SERVER=1``), alternated in each round. Per arm, the median
+over rounds of: the loop's longest stall and p99 lag during the wave and during its
+finish (from the engine's last step to the last response), ``/health`` latency (max,
+p99), client errors, API-server CPU (all threads) per response over the wave, peak RSS,
+bytes per response, and the wave's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import queue
+import re
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+from typing import Any
+
+LAYERS, TOPK, EXPERTS, VOCAB = 46, 8, 128, 32000
+PROBE_S = 0.005
+HEALTH_S = 0.05
+ARMS = ("off", "upstream", "prime", "prime_gc")
+DEFAULT_ARMS = ("off", "upstream", "prime")
+
+
+# -- shapes ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    requests: int  # samples (engine requests) in the wave
+    n: int  # samples per HTTP request
+    prompt_len: int
+    max_tokens: int
+
+    #: Tests: the HTTP requests cycle through (n=1, n), each non-streaming and streaming.
+    mix: bool = False
+
+    def plan(self, stream: bool) -> list[tuple[int, bool]]:
+        """(samples, streaming) of each HTTP request; the samples sum to ``requests``."""
+        if not self.mix:
+            return [(self.n, stream)] * (self.requests // self.n)
+        kinds = [(1, False), (1, True), (self.n, False), (self.n, True)]
+        plan: list[tuple[int, bool]] = []
+        left = self.requests
+        while left > 0:
+            n, streaming = kinds[len(plan) % 4]
+            n = min(n, left)
+            plan.append((n, streaming))
+            left -= n
+        return plan
+
+
+def make_shape(args: argparse.Namespace) -> Shape:
+    if args.shape == "writeup":
+        shape = Shape("writeup", args.requests, 1, args.prompt_len or 16, args.max_tokens or 16384)
+    else:
+        shape = Shape(
+            "grpo", args.requests, args.n, args.prompt_len or 12288, args.max_tokens or 4096
+        )
+    if shape.requests % shape.n:
+        raise SystemExit(f"--requests {shape.requests} is not a multiple of --n {shape.n}")
+    return shape
+
+
+def prompt_ids(shape: Shape, group: int) -> list[int]:
+    return [(group * 7919 + i * 31) % (VOCAB - 1) + 1 for i in range(shape.prompt_len)]
+
+
+# -- the EngineCore stand-in -------------------------------------------------------
+
+
+def _ready_payload(args: argparse.Namespace) -> bytes:
+    import msgspec
+    from vllm import __version__
+    from vllm.v1.engine import EngineCoreReadyResponse
+
+    return msgspec.msgpack.encode(
+        EngineCoreReadyResponse(
+            max_model_len=args.max_model_len,
+            num_gpu_blocks=1 << 20,
+            block_size=16,
+            dp_stats_address=None,
+            dtype="bfloat16",
+            vllm_version=__version__,
+            world_size=1,
+            data_parallel_size=1,
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            decode_context_parallel_size=1,
+            data_parallel_rank=0,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_model_len,
+            instance_id="prime-r3-wave",
+            supports_lora=False,
+            max_loras=0,
+        )
+    )
+
+
+def sample_number(prompt: Sequence[int], child: int) -> int:
+    """A sample's number, from its prompt and its index among the prompt's samples: the
+    same in every arm, whatever order the requests reach the engine in."""
+    return (prompt[0] * 1_000_003 + len(prompt) * 101 + child) % (1 << 31)
+
+
+class Rows:
+    """Deterministic routed-expert rows: the stand-in's, and what a response must carry."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        self.table = rng.integers(0, EXPERTS, size=(4099, LAYERS, TOPK), dtype=np.uint8)
+
+    def prompt(self, prompt: Sequence[int]) -> Any:
+        import numpy as np
+
+        return self.table[(np.arange(len(prompt)) + prompt[0]) % len(self.table)]
+
+    def row(self, sample: int, step: int) -> Any:
+        i = (sample * 13 + step) % len(self.table)
+        return self.table[i : i + 1].copy()  # a fresh array per output, as the engine's
+
+    def expected(self, prompt: Sequence[int], child: int, max_tokens: int) -> Any:
+        """All rows of a finished sample: its prompt's, then one per step but the last."""
+        import numpy as np
+
+        sample = sample_number(prompt, child)
+        steps = [self.row(sample, step) for step in range(1, max_tokens)]
+        return np.concatenate([self.prompt(prompt), *steps])
+
+
+def token(sample: int, step: int) -> int:
+    return (sample * 131 + step * 7) % (VOCAB - 1) + 1
+
+
+def engine_main(argv: Sequence[str]) -> int:
+    """The EngineCore stand-in (see the module docstring)."""
+    import msgspec
+    import zmq
+    from vllm.v1.engine import (
+        EngineCoreOutput,
+        EngineCoreOutputs,
+        EngineCoreRequest,
+        EngineCoreRequestType,
+        FinishReason,
+        UtilityOutput,
+    )
+    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.serial_utils import MsgpackDecoder, UtilityResult
+
+    p = argparse.ArgumentParser(prog="wave engine")
+    p.add_argument("--input", required=True)
+    p.add_argument("--output", required=True)
+    p.add_argument("--requests", type=int, required=True)
+    p.add_argument("--prompt-len", type=int, required=True)
+    p.add_argument("--max-tokens", type=int, required=True)
+    p.add_argument("--r3", type=int, required=True)
+    p.add_argument("--max-model-len", type=int, required=True)
+    p.add_argument("--max-num-seqs", type=int, required=True)
+    p.add_argument("--step-ms", type=float, default=0.0)
+    p.add_argument("--stats", required=True)
+    p.add_argument("--timeout", type=float, default=600)
+    args = p.parse_args(argv)
+
+    rows = Rows() if args.r3 else None
+    output_queue: queue.Queue = queue.Queue()
+    engine = SimpleNamespace(
+        output_queue=output_queue,
+        _send_msg_tracking_payload=EngineCoreProc._send_msg_tracking_payload,
+    )
+    out_thread = threading.Thread(
+        target=EngineCoreProc.process_output_sockets,
+        args=(engine, [args.output], None, 0),
+        daemon=True,
+    )
+    out_thread.start()
+
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.DEALER)
+    inp.setsockopt(zmq.IDENTITY, (0).to_bytes(2, "little"))
+    inp.connect(args.input)
+    inp.send(_ready_payload(args))
+    add_decoder = MsgpackDecoder(EngineCoreRequest)
+    generic = MsgpackDecoder()
+
+    live: dict[str, tuple[int, list[int]]] = {}  # request id -> (sample number, prompt)
+    children: dict[tuple[int, ...], int] = {}  # samples of each prompt seen so far
+    aborted: set[str] = set()
+    stats: dict[str, Any] = {"steps": 0, "aborted": 0}
+    deadline = time.monotonic() + args.timeout
+
+    def handle(frames: list[Any]) -> None:
+        kind = EngineCoreRequestType(bytes(frames[0].buffer))
+        if kind == EngineCoreRequestType.ADD:
+            req = add_decoder.decode(frames[1:])
+            prompt = list(req.prompt_token_ids)
+            child = children.get(tuple(prompt), 0)
+            children[tuple(prompt)] = child + 1
+            live[req.request_id] = (sample_number(prompt, child), prompt)
+        elif kind == EngineCoreRequestType.UTILITY:
+            client_idx, call_id, method, _ = generic.decode(frames[1:])
+            result = {"get_supported_tasks": ("generate",)}.get(method)
+            out = UtilityOutput(call_id, result=UtilityResult(result))
+            output_queue.put_nowait((client_idx, EngineCoreOutputs(utility_output=out)))
+        elif kind == EngineCoreRequestType.ABORT:
+            for rid in generic.decode(frames[1:]):
+                if live.pop(rid, None) is not None:
+                    aborted.add(rid)
+
+    def poll(timeout_ms: int) -> None:
+        while inp.poll(timeout_ms):
+            handle(inp.recv_multipart(copy=False))
+            timeout_ms = 0
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while not stop.is_set() and time.monotonic() < deadline:
+        # Wait for the whole wave, then run it.
+        poll(50)
+        if len(live) < args.requests:
+            continue
+        stats["wave_start"] = time.monotonic()
+        next_at = time.monotonic()
+        for step in range(args.max_tokens):
+            poll(0)
+            last = step == args.max_tokens - 1
+            outputs = []
+            for rid, (sample, prompt) in live.items():
+                routed = None
+                if rows is not None:
+                    routed = rows.prompt(prompt) if step == 0 else rows.row(sample, step)
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=rid,
+                        new_token_ids=[token(sample, step)],
+                        finish_reason=FinishReason.LENGTH if last else None,
+                        routed_experts=routed,
+                    )
+                )
+            output_queue.put_nowait(
+                (0, EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic()))
+            )
+            stats["steps"] += 1
+            # Keep at most a few steps ahead of the output thread.
+            while output_queue.qsize() > 4:
+                time.sleep(0.0002)
+            if args.step_ms:
+                next_at += args.step_ms / 1000
+                delay = next_at - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+            if stop.is_set() or time.monotonic() > deadline:
+                break
+        stats["last_step"] = time.monotonic()
+        stats["aborted"] = len(aborted)
+        live.clear()
+        aborted.clear()
+        children.clear()
+        break
+    while output_queue.qsize():
+        time.sleep(0.01)
+    with open(args.stats, "w") as f:
+        json.dump(stats, f)
+    # Idle until the driver stops us (the client may still send aborts / utilities).
+    while not stop.is_set() and time.monotonic() < deadline:
+        poll(100)
+    del msgspec
+    return 0
+
+
+# -- the API server ----------------------------------------------------------------
+
+
+def _write_model_dir(directory: str) -> str:
+    config = {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": LAYERS,
+        "num_local_experts": EXPERTS,
+        "num_experts_per_tok": TOPK,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 1 << 17,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    }
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    return directory
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
+
+
+async def _probe(samples: list[tuple[float, float, float]]) -> None:
+    """Sleep PROBE_S at a time; record (wake time, lateness, process CPU)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        start = loop.time()
+        await asyncio.sleep(PROBE_S)
+        now = time.monotonic()
+        samples.append((now, loop.time() - start - PROBE_S, time.process_time()))
+
+
+def _overlay_state() -> dict[str, Any]:
+    """The front-end patches' states in this process and their counters."""
+    from prime_r3 import layer
+    from prime_r3.fixes import response_b64, response_json, response_rows
+
+    report = layer.status()
+    modules = {"response_rows": response_rows, "response_b64": response_b64}
+    modules["response_json"] = response_json
+    return {
+        "states": {o.name: o.state for o in report.outcomes if o.name in modules},
+        "counters": {name: m.COUNTERS.snapshot() for name, m in modules.items()},
+    }
+
+
+def server_main(argv: Sequence[str]) -> int:
+    """vLLM's API server worker, attached to the stand-in engine's sockets."""
+    import uvloop
+
+    try:
+        from vllm.entrypoints.common.cli_args import (
+            make_arg_parser,
+            validate_parsed_serve_args,
+        )
+    except ImportError:
+        from vllm.entrypoints.launchers.cli_args import (
+            make_arg_parser,
+            validate_parsed_serve_args,
+        )
+    from vllm.entrypoints.launchers.api_server.entry import run_server_worker
+    from vllm.entrypoints.launchers.launcher import setup_server
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    p = argparse.ArgumentParser(prog="wave server")
+    p.add_argument("--input", required=True)
+    p.add_argument("--output", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--r3", type=int, required=True)
+    p.add_argument("--max-model-len", type=int, required=True)
+    p.add_argument("--max-num-seqs", type=int, required=True)
+    p.add_argument("--stats", required=True)
+    ours = p.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="prime_r3_wave_model_") as model:
+        vllm_argv = [
+            "--model",
+            _write_model_dir(model),
+            "--skip-tokenizer-init",
+            "--load-format",
+            "dummy",
+            "--enable-scale-out",
+            "--served-model-name",
+            "wave",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(ours.port),
+            "--max-model-len",
+            str(ours.max_model_len),
+            "--max-num-seqs",
+            str(ours.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(ours.max_model_len),
+            "--disable-uvicorn-access-log",
+            "--disable-log-stats",
+        ]
+        # No --enable-return-routed-experts: building the config refuses R3 without Model
+        # Runner V2 and Triton (none on CPU), and nothing in the front end reads the flag;
+        # its R3 work is driven by the routed experts the engine sends (``--r3``).
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_argv)
+        validate_parsed_serve_args(args)
+        listen_address, sock = setup_server(args, reuse_port=False)
+        samples: list[tuple[float, float, float]] = []
+        stats: dict[str, Any] = {}
+
+        async def serve() -> None:
+            probe = asyncio.get_running_loop().create_task(_probe(samples))
+            stats["rss_start_kb"] = _rss_kb()
+            try:
+                await run_server_worker(
+                    listen_address,
+                    sock,
+                    args,
+                    client_config={"input_address": ours.input, "output_address": ours.output},
+                )
+            finally:
+                probe.cancel()
+
+        try:
+            uvloop.run(serve())
+        finally:
+            stats["maxrss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            stats["prime_r3"] = _overlay_state()
+            stats["samples"] = samples
+            with open(ours.stats, "w") as f:
+                json.dump(stats, f)
+    return 0
+
+
+# -- the client --------------------------------------------------------------------
+
+#: The one field of a response that differs between two runs of the same wave.
+_CREATED = re.compile(rb'"created":[0-9]+')
+
+
+def normalised(body: bytes) -> bytes:
+    """``body`` with its ``"created"`` wall-clock seconds replaced by 0."""
+    return _CREATED.sub(b'"created":0', body)
+
+
+def client_main(argv: Sequence[str]) -> int:
+    """Send the wave and ``/health`` requests; record what came back."""
+    import aiohttp
+
+    p = argparse.ArgumentParser(prog="wave client")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--shape", required=True)  # JSON of Shape
+    p.add_argument("--stream", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--out", required=True)
+    p.add_argument("--bodies", default="")  # directory: keep every body (parity tests)
+    args = p.parse_args(argv)
+    shape = Shape(**json.loads(args.shape))
+    base = f"http://127.0.0.1:{args.port}"
+
+    async def run() -> dict[str, Any]:
+        results: list[dict[str, Any]] = []
+        health: list[tuple[float, float, int]] = []
+        done = asyncio.Event()
+        timeout = aiohttp.ClientTimeout(total=args.timeout)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+
+            async def one(i: int, n: int, streaming: bool) -> None:
+                body = {
+                    "request_id": f"wave-{i}",
+                    "token_ids": prompt_ids(shape, i),
+                    "sampling_params": {
+                        "max_tokens": shape.max_tokens,
+                        "n": n,
+                        "ignore_eos": True,
+                        "temperature": 1.0,
+                    },
+                    "stream": streaming,
+                }
+                t0 = time.monotonic()
+                entry: dict[str, Any] = {"i": i, "sent": t0}
+                try:
+                    async with session.post(f"{base}/inference/v1/generate", json=body) as r:
+                        data = await r.read()
+                    entry.update(
+                        status=r.status,
+                        bytes=len(data),
+                        sha256=hashlib.sha256(normalised(data)).hexdigest(),
+                    )
+                    if args.bodies:
+                        with open(os.path.join(args.bodies, f"{i}.body"), "wb") as f:
+                            f.write(data)
+                except Exception as e:  # noqa: BLE001 - every failure is a client error
+                    entry.update(status=-1, error=f"{type(e).__name__}: {e}")
+                entry["done"] = time.monotonic()
+                results.append(entry)
+
+            async def poll_health() -> None:
+                while not done.is_set():
+                    t0 = time.monotonic()
+                    try:
+                        async with session.get(f"{base}/health") as r:
+                            await r.read()
+                            status = r.status
+                    except Exception:  # noqa: BLE001
+                        status = -1
+                    health.append((t0, time.monotonic() - t0, status))
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(done.wait(), HEALTH_S)
+
+            poller = asyncio.create_task(poll_health())
+            start = time.monotonic()
+            plan = shape.plan(bool(args.stream))
+            await asyncio.gather(*(one(i, n, st) for i, (n, st) in enumerate(plan)))
+            done.set()
+            await poller
+        return {"start": start, "end": time.monotonic(), "results": results, "health": health}
+
+    with open(args.out, "w") as f:
+        json.dump(asyncio.run(run()), f)
+    return 0
+
+
+# -- the driver --------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def arm_env(arm: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_R3")}
+    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="WARNING")
+    if arm in ("off", "upstream"):
+        env["PRIME_R3"] = "0"
+    if arm == "prime_gc":  # engine_gc's thresholds in the API server too
+        env["PRIME_R3_ENGINE_GC_API_SERVER"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def run_arm(
+    arm: str,
+    shape: Shape,
+    *,
+    stream: bool,
+    timeout: float,
+    step_ms: float,
+    workdir: str,
+    bodies: str = "",
+    env_extra: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """One arm: engine stand-in, API server and client; returns its measurements."""
+    r3 = int(arm != "off")
+    sock_dir = tempfile.mkdtemp(prefix="zmq_", dir=workdir)
+    inp, out = f"ipc://{sock_dir}/in", f"ipc://{sock_dir}/out"
+    port = _free_port()
+    max_model_len = shape.prompt_len + shape.max_tokens + 64
+    max_num_seqs = max(shape.requests, 8)
+    files = {k: os.path.join(workdir, f"{arm}.{k}.json") for k in ("engine", "server", "client")}
+    env = arm_env(arm, env_extra)
+    me = [sys.executable, "-m", "prime_r3.bench.wave"]
+    common = ["--input", inp, "--output", out, "--max-model-len", str(max_model_len)]
+    common += ["--max-num-seqs", str(max_num_seqs), "--r3", str(r3)]
+    logs = {k: open(os.path.join(workdir, f"{arm}.{k}.log"), "w") for k in files}  # noqa: SIM115
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        procs["server"] = subprocess.Popen(
+            [*me, "server", *common, "--port", str(port), "--stats", files["server"]],
+            env=env,
+            stdout=logs["server"],
+            stderr=subprocess.STDOUT,
+        )
+        procs["engine"] = subprocess.Popen(
+            [*me, "engine", *common, "--requests", str(shape.requests)]
+            + ["--prompt-len", str(shape.prompt_len), "--max-tokens", str(shape.max_tokens)]
+            + ["--step-ms", str(step_ms), "--stats", files["engine"], "--timeout", str(timeout)],
+            env=env,
+            stdout=logs["engine"],
+            stderr=subprocess.STDOUT,
+        )
+        _wait_healthy(port, procs, deadline=time.monotonic() + 600)
+        client = subprocess.run(
+            [*me, "client", "--port", str(port), "--shape", json.dumps(asdict(shape))]
+            + ["--stream", str(int(stream)), "--timeout", str(timeout), "--out", files["client"]]
+            + (["--bodies", bodies] if bodies else []),
+            env=env,
+            timeout=timeout + 60,
+            check=False,
+            capture_output=True,
+            text=True,
+        )
+        if client.returncode != 0:
+            raise RuntimeError(f"{arm}: client failed: {client.stderr[-2000:]}")
+    finally:
+        for name in ("server", "engine"):
+            proc = procs.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGINT if name == "server" else signal.SIGTERM)
+        for name in ("server", "engine"):
+            proc = procs.get(name)
+            if proc is not None:
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        for f in logs.values():
+            f.close()
+    loaded = {}
+    for k, path in files.items():
+        if not os.path.exists(path):
+            log = open(os.path.join(workdir, f"{arm}.{k}.log")).read()[-3000:]  # noqa: SIM115
+            raise RuntimeError(f"{arm}: the {k} wrote no stats; its log ends:\n{log}")
+        with open(path) as f:
+            loaded[k] = json.load(f)
+    return summarise(arm, shape, loaded["engine"], loaded["server"], loaded["client"])
+
+
+def _wait_healthy(port: int, procs: dict[str, subprocess.Popen], deadline: float) -> None:
+    import urllib.request
+
+    while time.monotonic() < deadline:
+        for name, proc in procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"the {name} exited ({proc.returncode}) before the wave")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("the API server did not answer /health within 600 s")
+
+
+def summarise(
+    arm: str, shape: Shape, engine: dict[str, Any], server: dict[str, Any], client: dict[str, Any]
+) -> dict[str, Any]:
+    start, end = client["start"], client["end"]
+    finish_from = engine.get("last_step", end)
+    samples = server["samples"]
+    wave = [s for s in samples if start <= s[0] <= end]
+    finish = [s for s in samples if finish_from <= s[0] <= end]
+    lags = [s[1] for s in wave]
+    finish_lags = [s[1] for s in finish]
+    cpu = (wave[-1][2] - wave[0][2]) if len(wave) > 1 else float("nan")
+    results = client["results"]
+    ok = [r for r in results if r.get("status") == 200]
+    health = [h for h in client["health"] if start <= h[0] <= end]
+    health_lat = [h[1] for h in health]
+    return {
+        "arm": arm,
+        "responses": len(ok),
+        "errors": len(results) - len(ok) + sum(1 for h in health if h[2] != 200),
+        "error_kinds": sorted(
+            {r.get("error", str(r.get("status")))[:80] for r in results if r.get("status") != 200}
+        ),
+        "stall_ms": 1000 * max(lags, default=float("nan")),
+        "p99_lag_ms": 1000 * _pct(lags, 0.99),
+        "finish_stall_ms": 1000 * max(finish_lags, default=float("nan")),
+        "finish_p99_lag_ms": 1000 * _pct(finish_lags, 0.99),
+        "health_max_ms": 1000 * max(health_lat, default=float("nan")),
+        "health_p99_ms": 1000 * _pct(health_lat, 0.99),
+        "cpu_s": cpu,
+        "cpu_ms_per_response": 1000 * cpu / max(len(ok), 1),
+        "finish_cpu_ms_per_response": 1000
+        * ((finish[-1][2] - finish[0][2]) if len(finish) > 1 else float("nan"))
+        / max(len(ok), 1),
+        "peak_rss_mb": server["maxrss_kb"] / 1024,
+        "rss_start_mb": server.get("rss_start_kb", 0) / 1024,
+        "bytes_per_response": statistics.median([r["bytes"] for r in ok]) if ok else 0,
+        "wave_s": end - start,
+        "finish_s": end - finish_from,
+        "steps": engine.get("steps", 0),
+        "sha256": [r.get("sha256") for r in sorted(results, key=lambda r: r["i"])],
+        "prime_r3": server.get("prime_r3"),
+    }
+
+
+COLUMNS = (
+    ("stall_ms", "stall ms", "{:.0f}"),
+    ("p99_lag_ms", "p99 lag", "{:.1f}"),
+    ("finish_stall_ms", "fin stall", "{:.0f}"),
+    ("finish_p99_lag_ms", "fin p99", "{:.1f}"),
+    ("health_max_ms", "health max", "{:.0f}"),
+    ("health_p99_ms", "health p99", "{:.0f}"),
+    ("errors", "errors", "{:.0f}"),
+    ("cpu_ms_per_response", "cpu ms/resp", "{:.1f}"),
+    ("finish_cpu_ms_per_response", "fin cpu ms/resp", "{:.1f}"),
+    ("peak_rss_mb", "peak RSS MB", "{:.0f}"),
+    ("bytes_per_response", "bytes/resp", "{:.0f}"),
+    ("wave_s", "wave s", "{:.1f}"),
+    ("finish_s", "finish s", "{:.2f}"),
+)
+
+
+def report(shape: Shape, stream: bool, rounds: list[dict[str, dict[str, Any]]]) -> str:
+    arms = list(rounds[0])
+    lines = [
+        f"wave: shape={shape.name} samples={shape.requests} n={shape.n} "
+        f"prompt={shape.prompt_len} max_tokens={shape.max_tokens} stream={stream} "
+        f"rounds={len(rounds)} (medians; arms alternated)",
+        f"{'arm':10}" + "".join(f"{title:>16}" for _, title, _ in COLUMNS),
+    ]
+    med: dict[str, dict[str, float]] = {}
+    for arm in arms:
+        med[arm] = {k: statistics.median(r[arm][k] for r in rounds) for k, _, _ in COLUMNS}
+        lines.append(
+            f"{arm:10}" + "".join(f"{fmt.format(med[arm][k]):>16}" for k, _, fmt in COLUMNS)
+        )
+    if "upstream" in med and "prime" in med:
+        u, q = med["upstream"], med["prime"]
+        for k in (
+            "stall_ms",
+            "finish_stall_ms",
+            "cpu_ms_per_response",
+            "finish_cpu_ms_per_response",
+            "peak_rss_mb",
+        ):
+            ratio = u[k] / q[k] if q[k] else float("inf")
+            lines.append(f"upstream/prime {k}: {u[k]:.1f} / {q[k]:.1f} = {ratio:.1f}x")
+        same = all(r["upstream"]["sha256"] == r["prime"]["sha256"] for r in rounds)
+        lines.append(
+            f"response bytes upstream == prime (every request, every round; 'created' "
+            f"masked): {same}"
+        )
+        lines.append(f"prime arm's API server: {rounds[-1]['prime']['prime_r3']}")
+    for i, r in enumerate(rounds):
+        lines.append(
+            f"round {i}: "
+            + "  ".join(
+                f"{arm} stall {r[arm]['stall_ms']:.0f} cpu/resp {r[arm]['cpu_ms_per_response']:.1f}"
+                for arm in arms
+            )
+        )
+        for arm in arms:
+            if r[arm]["error_kinds"]:
+                lines.append(f"  {arm} errors: {r[arm]['error_kinds']}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", choices=("writeup", "grpo"), default="writeup")
+    p.add_argument("--requests", type=int, default=100, help="samples in the wave")
+    p.add_argument("--n", type=int, default=10, help="grpo: samples per prompt")
+    p.add_argument("--prompt-len", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"from {','.join(ARMS)}")
+    p.add_argument("--stream", action="store_true")
+    p.add_argument(
+        "--step-ms", type=float, default=0.0, help="engine step pacing (0: as fast as read)"
+    )
+    p.add_argument("--timeout", type=float, default=900, help="per arm, seconds")
+    p.add_argument("--quick", action="store_true", help="8 samples x 256 tokens, 1 round")
+    p.add_argument("--json", default="", help="also write the per-round results here")
+    p.add_argument("--workdir", default="", help="keep logs and stats here (default: a temp dir)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("engine", "server", "client"):
+        return {"engine": engine_main, "server": server_main, "client": client_main}[argv[0]](
+            argv[1:]
+        )
+    p = argparse.ArgumentParser(prog="prime-r3 bench wave", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.requests, args.rounds = 8, 1
+        args.max_tokens = args.max_tokens or 256
+        args.prompt_len = args.prompt_len or (16 if args.shape == "writeup" else 512)
+        args.n = min(args.n, 4)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    bad = [a for a in arms if a not in ARMS]
+    if bad:
+        raise SystemExit(f"--arms: {','.join(bad)} unknown; valid choices: {', '.join(ARMS)}")
+    shape = make_shape(args)
+    rounds = []
+    with contextlib.ExitStack() as stack:
+        workdir = args.workdir or stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="prime_r3_wave_")
+        )
+        os.makedirs(workdir, exist_ok=True)
+        for i in range(args.rounds):
+            order = arms if i % 2 == 0 else arms[::-1]
+            rounds.append(
+                {
+                    arm: run_arm(
+                        arm,
+                        shape,
+                        stream=args.stream,
+                        timeout=args.timeout,
+                        step_ms=args.step_ms,
+                        workdir=workdir,
+                    )
+                    for arm in order
+                }
+            )
+            rounds[-1] = {arm: rounds[-1][arm] for arm in arms}
+            print(f"round {i} done", file=sys.stderr, flush=True)
+    text = report(shape, args.stream, rounds)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": asdict(shape), "stream": args.stream, "rounds": rounds}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

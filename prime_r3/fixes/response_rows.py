@@ -1,0 +1,224 @@
+"""response_rows: a request's routed experts gathered as they arrive, not concatenated at finish.
+
+Upstream's ``RequestState`` (``vllm.v1.engine.output_processor``, the API server's
+output loop, i.e. its event loop) appends every step's routed-expert array to
+``routed_experts_chunks`` and, when the request finishes, ``np.concatenate``s them in
+``_new_completion_output``: one array per step (16k for a 16k-token generation) kept
+alive until then, and ~13 ms of concatenation per request, all at once when a wave of
+requests finishes in the same step (100 of them: over a second in one call).
+
+Here ``routed_experts_chunks`` is a ``RowChunks`` (a ``list`` subclass, set in
+``RequestState.__init__`` where upstream sets its list): ``append`` copies each chunk's
+bytes onto one ``bytearray`` (``extend``) (amortised growth, ~1/8 slack at most) and drops the
+chunk, and ``[-1] = prefix`` (upstream's trim of tokens dropped after a stop string)
+rewinds the last chunk and appends the prefix. Its list storage stays empty, so
+upstream's ``if finished and self.routed_experts_chunks`` builds its output with
+``routed_experts=None``; our ``_new_completion_output`` wrapper then sets the output's
+``routed_experts`` to the rows as one array over that buffer (``np.frombuffer`` +
+``reshape``: no copy). That array equals upstream's concatenation: same dtype, shape and
+values, C-contiguous and writeable; it is a view of the buffer (``OWNDATA`` False).
+
+Fast case: every chunk an exact ``np.ndarray`` of the first chunk's dtype, ndim >= 1 and
+trailing shape, exporting a contiguous buffer. Anything else (another dtype or shape,
+which ``np.concatenate`` would promote or refuse; a non-contiguous array; any other
+assignment than ``[-1] =``, or ``[-1] =`` once the rows were handed out) *spills*: the
+rows so far become two ordinary chunks in the list (those before the last chunk, and
+the last chunk, so ``[-1]`` still names it) and the list is upstream's from then on
+(upstream's concatenation of ``[rows before, last, chunk, ...]`` equals that of the
+original chunks); counted in ``COUNTERS`` by reason. The other list operations are not
+overridden: code that reads the list directly (upstream does not) sees it empty until a
+spill.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from prime_r3.spec import Anchor, PatchSpec, Process, Target, WrapperFn
+
+OUTPUT_PROCESSOR = "vllm.v1.engine.output_processor"
+
+
+class Counters:
+    """Requests whose rows were gathered (``fast``), and spills per reason."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.fast = 0
+        self.fallback: Counter[str] = Counter()
+
+    def add_fallback(self, reason: str) -> None:
+        with self._lock:
+            self.fallback[reason] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"fast": self.fast, "fallback": dict(self.fallback)}
+
+    def reset(self) -> None:
+        with self._lock:
+            self.fast = 0
+            self.fallback.clear()
+
+
+COUNTERS = Counters()
+_NDARRAY = np.ndarray
+
+
+class RowChunks(list):
+    """``routed_experts_chunks`` as one growing byte buffer (see the module docstring)."""
+
+    __slots__ = ("_rows", "_dtype", "_tail", "_last", "_spilled")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._rows: bytearray | None = None
+        self._dtype: Any = None
+        self._tail: tuple[int, ...] = ()
+        self._last = 0  # bytes of the last chunk appended
+        self._spilled = False
+
+    @property
+    def gathered(self) -> bool:
+        """Rows were appended and live in the buffer (the list is empty)."""
+        return self._rows is not None
+
+    def append(self, chunk: Any) -> None:
+        rows = self._rows
+        if rows is None:
+            if self._spilled:
+                return list.append(self, chunk)
+            self._start(chunk)
+            return None
+        if type(chunk) is not _NDARRAY or chunk.ndim == 0 or chunk.shape[1:] != self._tail:
+            return self._spill(chunk, "shape")
+        if chunk.dtype != self._dtype:
+            return self._spill(chunk, "dtype")
+        before = len(rows)
+        try:
+            rows.extend(chunk)  # the buffer's bytes (``+=`` would be numpy's add)
+        except (BufferError, ValueError, TypeError):  # not contiguous, or rows exported
+            return self._spill(chunk, "layout")
+        self._last = len(rows) - before
+        return None
+
+    def _start(self, chunk: Any) -> None:
+        if type(chunk) is not np.ndarray or chunk.ndim < 1 or chunk.dtype.hasobject:
+            self._spill(chunk, "first_chunk")
+            return
+        rows = bytearray()
+        try:
+            rows.extend(chunk)
+        except (BufferError, TypeError, ValueError):
+            self._spill(chunk, "first_chunk")
+            return
+        self._rows, self._dtype, self._tail, self._last = (
+            rows,
+            chunk.dtype,
+            chunk.shape[1:],
+            len(rows),
+        )
+
+    def _spill(self, chunk: Any, reason: str) -> None:
+        """Become upstream's list, then append ``chunk`` to it."""
+        self._spill_rows(reason)
+        list.append(self, chunk)
+
+    def _spill_rows(self, reason: str) -> None:
+        """The rows so far into the list: those before the last chunk, and the last chunk
+        (so ``[-1]`` still names the last chunk appended); a plain list from then on."""
+        COUNTERS.add_fallback(reason)
+        if self._rows is not None:
+            rows = self.array()
+            row_bytes = rows.itemsize * (int(np.prod(self._tail)) if self._tail else 1)
+            last = self._last // row_bytes if row_bytes else 0
+            list.extend(self, (rows[: len(rows) - last], rows[len(rows) - last :]))
+        self._rows = None
+        self._spilled = True
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        rows = self._rows
+        if rows is not None:
+            if isinstance(index, int) and index == -1:
+                # Upstream's trim: the last chunk replaced by (a prefix of) itself.
+                try:
+                    del rows[len(rows) - self._last :]
+                except BufferError:  # exported: the rows were handed out at finish
+                    pass
+                else:
+                    self._last = 0
+                    if rows:
+                        self.append(value)
+                    else:
+                        self._rows = None
+                        self._start(value)
+                    return
+            self._spill_rows("setitem")
+        list.__setitem__(self, index, value)
+
+    def array(self) -> Any:
+        """The rows gathered so far as one array (a view of the buffer)."""
+        assert self._rows is not None
+        flat = np.frombuffer(self._rows, dtype=self._dtype)
+        return flat.reshape((-1, *self._tail))
+
+
+def _request_state_init(params: Mapping[str, Any]) -> WrapperFn:
+    def gather_rows(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
+        wrapped(*args, **kwargs)
+        if instance is not None and type(instance.routed_experts_chunks) is list:
+            instance.routed_experts_chunks = RowChunks()
+
+    return gather_rows
+
+
+def _new_completion_output(params: Mapping[str, Any]) -> WrapperFn:
+    def rows_on_finish(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
+        output = wrapped(*args, **kwargs)
+        chunks = getattr(instance, "routed_experts_chunks", None)
+        if (
+            type(chunks) is RowChunks
+            and chunks.gathered
+            and output.finish_reason is not None
+            and output.routed_experts is None
+        ):
+            output.routed_experts = chunks.array()
+            COUNTERS.fast += 1
+        return output
+
+    return rows_on_finish
+
+
+# Verified source fingerprints (scripts/fingerprint.py) for vLLM 0.31.0, 0.32.0, 0.33.0.
+_INIT = frozenset({"dfa5c0731076a8f7", "8750ef83ec92aaf8"})
+_NEW_COMPLETION_OUTPUT = frozenset({"efefc18d9703c782", "d5b9232463170bdd"})
+_PROCESS_OUTPUTS = frozenset({"90d56f0accc430e5", "6b34329e4cd2b800", "9dca97ca534c81d9"})
+_TRIM = frozenset({"cb63ed262aba33f0"})
+
+SPEC = PatchSpec(
+    name="response_rows",
+    summary="API server: a request's routed experts gathered into one buffer, no concat at finish",
+    vllm_range=">=0.31,<0.34",
+    processes=frozenset({Process.API_SERVER}),
+    targets=(
+        Target(OUTPUT_PROCESSOR, "RequestState.__init__", _INIT, _request_state_init),
+        Target(
+            OUTPUT_PROCESSOR,
+            "RequestState._new_completion_output",
+            _NEW_COMPLETION_OUTPUT,
+            _new_completion_output,
+        ),
+    ),
+    anchors=(
+        # The only writers of the chunks: the per-step append and (0.32+) the trim.
+        Anchor(OUTPUT_PROCESSOR, "OutputProcessor.process_outputs", _PROCESS_OUTPUTS),
+        Anchor(OUTPUT_PROCESSOR, "OutputProcessor._trim_surplus_tokens", _TRIM, releases=">=0.32"),
+    ),
+    diff_pending="upstream form (RequestState keeping one row buffer) not written yet",
+    notes="Array equal to upstream's concatenation (dtype, shape, values); a view of the buffer.",
+)

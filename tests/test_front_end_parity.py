@@ -1,0 +1,349 @@
+"""The API server's response patches (response_rows, response_b64, response_json).
+
+``test_wave_*``: a small wave on vLLM's real API server (``prime_r3.bench.wave``: vLLM's
+own ``run_server_worker``, app, routes, ``AsyncLLM`` and output processor; the EngineCore
+stand-in sending real ``EngineCoreOutputs`` over vLLM's sockets), run once with
+``PRIME_R3=0`` and once with the overlay as the plugin applies it. Requests with n=1 and
+n=2 (a prompt's samples, each first output carrying the prompt's rows), streaming and
+not: every HTTP body must be upstream's byte for byte (the wall-clock ``created`` field
+masked), every decoded routed-experts array the rows the engine sent, and the overlay's
+server must have applied the three patches and taken their fast paths.
+
+The other tests hold each patch's fast path and fallbacks to upstream's own code, in
+process: ``RowChunks`` against a list and ``np.concatenate``, ``encode`` against vLLM's
+``numpy2base64``, ``render`` against Starlette's ``JSONResponse``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from prime_r3.bench import wave
+from prime_r3.fixes import response_b64, response_json, response_rows
+
+SHAPE = wave.Shape("parity", requests=12, n=2, prompt_len=300, max_tokens=40, mix=True)
+
+
+def _bodies(directory: Path) -> dict[int, bytes]:
+    return {int(p.stem): p.read_bytes() for p in directory.glob("*.body")}
+
+
+@pytest.fixture(scope="module")
+def waves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    runs = {}
+    for arm in ("upstream", "prime"):
+        work = tmp_path_factory.mktemp(f"wave_{arm}")
+        bodies = work / "bodies"
+        bodies.mkdir()
+        summary = wave.run_arm(
+            arm,
+            SHAPE,
+            stream=False,
+            timeout=240,
+            step_ms=0.0,
+            workdir=str(work),
+            bodies=str(bodies),
+        )
+        runs[arm] = {"summary": summary, "bodies": _bodies(bodies)}
+    return runs
+
+
+def _routed_experts(body: bytes, streaming: bool) -> dict[int, np.ndarray]:
+    """Each choice's routed experts, decoded as a client does (``np.load`` of base64)."""
+    if streaming:
+        events = [
+            json.loads(line[len(b"data: ") :])
+            for line in body.split(b"\n\n")
+            if line.startswith(b"data: ") and line != b"data: [DONE]"
+        ]
+        choices = [c for e in events for c in e["choices"]]
+    else:
+        choices = json.loads(body)["choices"]
+    found: dict[int, np.ndarray] = {}
+    for choice in choices:
+        if choice.get("routed_experts") is not None:
+            raw = base64.b64decode(choice["routed_experts"])
+            assert choice["index"] not in found, "routed experts sent twice for one choice"
+            found[choice["index"]] = np.load(io.BytesIO(raw), allow_pickle=False)
+    return found
+
+
+def test_wave_bodies_are_upstreams_byte_for_byte(waves: dict[str, Any]) -> None:
+    upstream, prime = waves["upstream"]["bodies"], waves["prime"]["bodies"]
+    plan = SHAPE.plan(False)
+    assert sorted(upstream) == sorted(prime) == list(range(len(plan)))
+    for i in upstream:
+        assert wave.normalised(prime[i]) == wave.normalised(upstream[i]), (i, plan[i])
+    for arm in ("upstream", "prime"):
+        assert waves[arm]["summary"]["errors"] == 0, waves[arm]["summary"]["error_kinds"]
+
+
+def test_wave_routed_experts_are_the_rows_the_engine_sent(waves: dict[str, Any]) -> None:
+    rows = wave.Rows()
+    for arm in ("upstream", "prime"):
+        for i, (n, streaming) in enumerate(SHAPE.plan(False)):
+            got = _routed_experts(waves[arm]["bodies"][i], streaming)
+            prompt = wave.prompt_ids(SHAPE, i)
+            assert sorted(got) == list(range(n)), (arm, i)
+            for child, array in got.items():
+                expected = rows.expected(prompt, child, SHAPE.max_tokens)
+                assert array.dtype == expected.dtype and array.shape == expected.shape
+                assert np.array_equal(array, expected), (arm, i, child)
+
+
+def test_wave_overlay_applied_its_fast_paths(waves: dict[str, Any]) -> None:
+    """The overlay's server applied the three patches and served every sample by them;
+    upstream's (PRIME_R3=0) applied none and counted nothing."""
+    samples = SHAPE.requests
+    non_streaming = sum(n for n, streaming in SHAPE.plan(False) if not streaming)
+    prime = waves["prime"]["summary"]["prime_r3"]
+    assert prime["states"] == dict.fromkeys(
+        ("response_rows", "response_b64", "response_json"), "applied"
+    )
+    counters = prime["counters"]
+    assert counters["response_rows"] == {"fast": samples, "fallback": {}}
+    # Streamed or not, a sample's rows go out once, when it finishes, encoded off the loop.
+    assert counters["response_b64"] == {"fast": samples, "off_loop": samples, "fallback": {}}
+    assert counters["response_json"]["strings"] == non_streaming
+    assert not counters["response_json"]["fallback"]
+    upstream = waves["upstream"]["summary"]["prime_r3"]
+    assert set(upstream["states"].values()) == {"disabled"}
+    assert upstream["counters"]["response_rows"] == {"fast": 0, "fallback": {}}
+
+
+# -- response_rows ----------------------------------------------------------------------
+
+
+def _rows(rng: np.random.Generator, n: int, dtype: Any = np.uint8) -> np.ndarray:
+    return rng.integers(0, 100, size=(n, 5, 3)).astype(dtype)
+
+
+def _same(got: np.ndarray, expected: np.ndarray) -> None:
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert np.array_equal(got, expected)
+
+
+def _finish(chunks: response_rows.RowChunks) -> np.ndarray:
+    """What the finish wrapper hands out: the buffer's array, or upstream's concatenation."""
+    return chunks.array() if chunks.gathered else np.concatenate(chunks, axis=0)
+
+
+def test_row_chunks_gather_what_concatenate_would() -> None:
+    rng = np.random.default_rng(0)
+    chunks = [_rows(rng, 7)] + [_rows(rng, 1) for _ in range(50)] + [_rows(rng, 0), _rows(rng, 3)]
+    gathered = response_rows.RowChunks()
+    for chunk in chunks:
+        gathered.append(chunk)
+    assert gathered.gathered and not gathered  # the list storage stays empty
+    got = gathered.array()
+    _same(got, np.concatenate(chunks, axis=0))
+    assert got.flags.c_contiguous and got.flags.writeable
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        pytest.param(lambda r: _rows(r, 2, np.uint16), id="dtype"),
+        pytest.param(lambda r: r.integers(0, 9, size=(2, 5, 4)).astype(np.uint8), id="shape"),
+        pytest.param(lambda r: np.asfortranarray(_rows(r, 4)), id="fortran"),
+        pytest.param(lambda r: _rows(r, 8)[::2], id="strided"),
+    ],
+)
+def test_row_chunks_spill_to_upstreams_list(odd: Any) -> None:
+    rng = np.random.default_rng(1)
+    chunks = [_rows(rng, 3), _rows(rng, 1), odd(rng), _rows(rng, 1)]
+    gathered = response_rows.RowChunks()
+    response_rows.COUNTERS.reset()
+    try:
+        expected = np.concatenate(chunks, axis=0)
+    except ValueError:
+        expected = None
+    for chunk in chunks:
+        gathered.append(chunk)
+    assert not gathered.gathered and sum(response_rows.COUNTERS.fallback.values()) == 1
+    if expected is None:
+        with pytest.raises(ValueError):
+            np.concatenate(gathered, axis=0)
+    else:
+        _same(_finish(gathered), expected)
+
+
+def test_row_chunks_trim_the_last_chunk_as_upstream() -> None:
+    """``[-1] = prefix`` (upstream's drop of tokens past a stop string), in the buffer and
+    once the rows were handed out (spilled: the last chunk is still ``[-1]``)."""
+    rng = np.random.default_rng(2)
+    chunks = [_rows(rng, 4), _rows(rng, 3), _rows(rng, 2)]
+    upstream = list(chunks)
+    gathered = response_rows.RowChunks()
+    for chunk in chunks:
+        gathered.append(chunk)
+    upstream[-1] = chunks[-1][:1]
+    gathered[-1] = chunks[-1][:1]
+    _same(gathered.array(), np.concatenate(upstream, axis=0))
+    handed_out = gathered.array()
+    upstream[-1] = upstream[-1][:0]
+    gathered[-1] = chunks[-1][:0]
+    assert not gathered.gathered
+    _same(np.concatenate(gathered, axis=0), np.concatenate(upstream, axis=0))
+    assert handed_out.shape[0] == 8  # the array handed out is unchanged
+    gathered.append(chunks[0])  # a plain list from then on
+    upstream.append(chunks[0])
+    _same(np.concatenate(gathered, axis=0), np.concatenate(upstream, axis=0))
+
+
+def test_row_chunks_other_assignments_spill_first() -> None:
+    rng = np.random.default_rng(3)
+    chunks = [_rows(rng, 4), _rows(rng, 3)]
+    gathered = response_rows.RowChunks()
+    for chunk in chunks:
+        gathered.append(chunk)
+    gathered[0] = chunks[0][:1]
+    _same(np.concatenate(gathered, axis=0), np.concatenate([chunks[0][:1], chunks[1]], axis=0))
+    with pytest.raises(IndexError):
+        response_rows.RowChunks()[-1] = chunks[0]  # as an empty list
+
+
+# -- response_b64 -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: np.random.default_rng(0).integers(0, 256, (1000, 46, 8), dtype=np.uint8),
+        lambda: np.zeros((0, 46, 8), np.uint8),
+        lambda: np.arange(6, dtype=np.uint16).reshape(2, 3),
+        lambda: np.array(7, np.int32),
+        lambda: np.random.default_rng(1).random((3, 4)),
+        lambda: np.arange(12, dtype=">i4").reshape(3, 4),
+        lambda: np.arange(12).reshape(3, 4).T,
+        lambda: np.arange(20)[::3],
+        lambda: np.array([b"ab", b"c"]),
+        lambda: np.zeros(3, dtype=[("a", "<i4"), ("b", "<f8")]),
+        lambda: np.ma.masked_array([1, 2, 3]),
+    ],
+)
+def test_b64_is_upstreams_string(make: Any) -> None:
+    from vllm.utils.serial_utils import numpy2base64
+
+    array = make()
+    assert response_b64.encode(array, numpy2base64) == numpy2base64(array)
+
+
+def test_b64_falls_back_where_np_save_is_not_header_plus_c_bytes() -> None:
+    from vllm.utils.serial_utils import numpy2base64
+
+    response_b64.COUNTERS.reset()
+    for array in (np.arange(6).reshape(2, 3).T, np.arange(3, dtype=">i2"), np.ma.masked_array([1])):
+        response_b64.encode(array, numpy2base64)
+    assert response_b64.COUNTERS.snapshot() == {
+        "fast": 0,
+        "off_loop": 0,
+        "fallback": {"layout": 1, "byteorder": 1, "not_ndarray": 1},
+    }
+    with pytest.raises(ValueError, match="Object arrays cannot be saved"):
+        response_b64.encode(np.array([object()]), numpy2base64)  # upstream's own error
+
+
+# -- response_json ------------------------------------------------------------------------
+
+
+def _upstream_body(content: Any) -> bytes:
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(content=content).body
+
+
+def _render(content: Any) -> bytes:
+    from starlette.responses import JSONResponse
+
+    return response_json.render(content, JSONResponse(content=None).render)
+
+
+def _b64(n: int, seed: int = 0) -> str:
+    raw = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+    return base64.b64encode(raw).decode("ascii")
+
+
+def test_json_body_is_upstreams_bytes() -> None:
+    long = _b64(200_000)
+    content = {
+        "request_id": "r-é",
+        "choices": [
+            {"index": 0, "routed_experts": long, "token_ids": list(range(500)), "t": 'a"\n\\'},
+            {"index": 1, "routed_experts": _b64(30)},
+            {"index": 2, "routed_experts": _b64(100_000, 1), "logprobs": {"x": 1.5e-7}},
+            {"index": 3, "routed_experts": None},
+        ],
+        "usage": {"prompt_tokens": 3},
+    }
+    before = json.dumps(content)
+    response_json.COUNTERS.reset()
+    assert _render(content) == _upstream_body(content)
+    assert response_json.COUNTERS.snapshot() == {"fast": 1, "strings": 2, "fallback": {}}
+    assert json.dumps(content) == before  # the content is never modified
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        {"choices": [{"routed_experts": 'x"' * 40_000}]},
+        {"choices": [{"routed_experts": "é" * 70_000}]},
+        {"choices": [{"routed_experts": _b64(60_000)[:-1] + "\n"}]},
+        {"error": {"code": 400}},
+        [1, 2],
+        {"choices": "none"},
+    ],
+)
+def test_json_other_content_is_upstreams(content: Any) -> None:
+    assert _render(content) == _upstream_body(content)
+
+
+def test_json_a_placeholder_in_the_content_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A content that happens to hold the placeholder's text renders as upstream's."""
+    monkeypatch.setattr(response_json.secrets, "token_hex", lambda n=None: "ab")
+    content = {"choices": [{"routed_experts": _b64(100_000)}], "x": "prime-r3-splice-ab-0"}
+    response_json.COUNTERS.reset()
+    assert _render(content) == _upstream_body(content)
+    assert response_json.COUNTERS.snapshot()["fallback"] == {"placeholder": 1}
+
+
+def test_b64_off_loop_passes_outputs_on_and_hands_the_same_string() -> None:
+    """``encoded_off_loop`` yields what it gets; the string made in the executor is the
+    one ``numpy2base64`` is then given for that array, equal to upstream's; an entry goes
+    with its array."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm.utils.serial_utils import numpy2base64
+
+    big = np.random.default_rng(0).integers(0, 256, (400, 46, 8), dtype=np.uint8)
+    small = np.zeros((2, 46, 8), np.uint8)
+    results = [
+        SimpleNamespace(finished=False, outputs=[SimpleNamespace(routed_experts=None)]),
+        SimpleNamespace(
+            finished=True, outputs=[SimpleNamespace(routed_experts=a) for a in (big, small)]
+        ),
+    ]
+
+    async def source():  # noqa: ANN202
+        for r in results:
+            yield r
+
+    async def run() -> list[Any]:
+        return [r async for r in response_b64.encoded_off_loop(source())]
+
+    response_b64.COUNTERS.reset()
+    assert asyncio.run(run()) == results
+    assert list(response_b64._ENCODED) == [id(big)]  # the small one is encoded inline
+    assert response_b64.encode(big, numpy2base64) == numpy2base64(big)
+    assert response_b64.COUNTERS.snapshot()["off_loop"] == 1 and not response_b64._ENCODED
+    asyncio.run(run())
+    del results[1], big
+    assert not response_b64._ENCODED  # gone with its array

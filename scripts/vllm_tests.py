@@ -5,8 +5,7 @@
     python scripts/vllm_tests.py --mode tree -- -x -k store   # extra arguments go to pytest
 
 Run it with the Python of the environment whose vLLM you mean. ``.ci/run`` runs it after
-each release's suite, in overlay mode; ``PRIME_R3_VLLM_TESTS=both`` adds tree mode (opt-in
-until the diffs pass vLLM's tests: their expected list below is theirs to fill).
+each release's suite, in both modes (``CI_VLLM_TESTS=overlay`` or ``tree`` runs one).
 Two modes, each one pytest process on vLLM's test files:
 
 - ``overlay``: the installed vLLM with prime_r3 applied in the test process (``apply()``

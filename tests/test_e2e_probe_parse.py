@@ -50,3 +50,11 @@ def test_roles_and_visible_lines(tmp_path: pathlib.Path) -> None:
     other = SUMMARY.replace("pid 7", "pid 8")
     log.write_text(f"(Worker pid=7) INFO [layer.py:1] {SUMMARY}\nx\n(EngineCore pid=8) {other}\n")
     assert visible_lines(log) == {7: 1, 8: 1}
+
+
+def test_a_fork_with_records_but_no_line_is_reported_as_such(tmp_path: pathlib.Path) -> None:
+    state = parse_probe(
+        _write(tmp_path, "MainProcess", "prime_r3: batched_meta installed on import of a.request")
+    )
+    assert state.role == "forked" and state.summaries == 0
+    assert "inherited from its parent" in state.describe()

@@ -91,9 +91,14 @@ class ProcessState:
 
     @property
     def role(self) -> str:
-        return role_of(self.name)
+        """front-end / engine_core / worker; ``forked`` for a process with records but
+        no line of its own: a fork of a vLLM process, which inherits the parent's
+        prime_r3 state (and pending import hooks) without loading the plugin again."""
+        return role_of(self.name) if self.summaries else "forked"
 
     def describe(self) -> str:
+        if not self.summaries:
+            return "state inherited from its parent; its own records: " + "; ".join(self.lines)
         parts = [f"active: {', '.join(self.active) or 'none'}"]
         partly = [n for n in self.pending if self.installed.get(n)]
         if partly:
@@ -196,7 +201,7 @@ def parse_probe(path: pathlib.Path) -> ProcessState:
 
 def read_processes(probe_dir: str | os.PathLike[str]) -> list[ProcessState]:
     """Every process that wrote a probe file, front-end first, then by pid."""
-    order = {"front-end": 0, "engine_core": 1, "worker": 2}
+    order = {"front-end": 0, "engine_core": 1, "worker": 2, "forked": 3}
     states = [parse_probe(p) for p in sorted(pathlib.Path(probe_dir).glob("*.log"))]
     return sorted(states, key=lambda s: (order[s.role], s.pid))
 

@@ -63,6 +63,8 @@ from typing import Any
 LAYERS, TOPK, EXPERTS, VOCAB = 46, 8, 128, 32000
 PROBE_S = 0.005
 HEALTH_S = 0.05
+#: How long the API server may take to start (a loaded 2-core machine: minutes).
+START_S = 600
 ARMS = ("off", "upstream", "prime", "prime_gc")
 DEFAULT_ARMS = ("off", "upstream", "prime")
 
@@ -606,12 +608,13 @@ def run_arm(
         procs["engine"] = subprocess.Popen(
             [*me, "engine", *common, "--requests", str(shape.requests)]
             + ["--prompt-len", str(shape.prompt_len), "--max-tokens", str(shape.max_tokens)]
-            + ["--step-ms", str(step_ms), "--stats", files["engine"], "--timeout", str(timeout)],
+            + ["--step-ms", str(step_ms), "--stats", files["engine"]]
+            + ["--timeout", str(timeout + START_S)],
             env=env,
             stdout=logs["engine"],
             stderr=subprocess.STDOUT,
         )
-        _wait_healthy(port, procs, deadline=time.monotonic() + 600)
+        _wait_healthy(port, procs, deadline=time.monotonic() + START_S)
         client = subprocess.run(
             [*me, "client", "--port", str(port), "--shape", json.dumps(asdict(shape))]
             + ["--stream", str(int(stream)), "--timeout", str(timeout), "--out", files["client"]]
@@ -663,7 +666,7 @@ def _wait_healthy(port: int, procs: dict[str, subprocess.Popen], deadline: float
         except OSError:
             pass
         time.sleep(0.5)
-    raise RuntimeError("the API server did not answer /health within 600 s")
+    raise RuntimeError(f"the API server did not answer /health within {START_S} s")
 
 
 def summarise(

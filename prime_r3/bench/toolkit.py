@@ -34,7 +34,11 @@ TOOLS = (
     ),
     Tool("tree-parity", "bench_tree_parity.py", "rows of vLLM + patches/ vs installed upstream"),
     Tool("store-wait", "bench_store_wait.py", "output worker's wait for the store writer"),
-    Tool("engine-outputs", "bench_engine_outputs.py", "EngineCore -> client hop: upstream vs 02"),
+    Tool(
+        "engine-outputs",
+        "bench_engine_outputs.py",
+        "EngineCore -> client hop: upstream vs packed_hop vs 02",
+    ),
     Tool("packing", "bench_packing.py", "worker -> EngineCore step output: dict vs packed"),
     Tool("commit", "bench_commit_step.py", "one process_output step: batched_commit vs a REV"),
     Tool("meta", "bench_meta.py", "build_connector_meta: upstream vs batched_meta"),
@@ -43,6 +47,7 @@ TOOLS = (
     Tool("publish", "bench_publish.py", "block publication; shared arena vs store_arena"),
     Tool("writer", "bench_writer.py", "store writer thread at steady state, replayed puts"),
     Tool("api-gc", "bench_api_server_gc.py", "API server's R3 work under two GC thresholds"),
+    Tool("wave", "bench_wave.py", "API server: a wave of long R3 responses finishing together"),
 )
 BY_NAME = {tool.name: tool for tool in TOOLS}
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import types
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,23 @@ def test_row_chunks_gather_what_concatenate_would() -> None:
     got = gathered.array()
     _same(got, np.concatenate(chunks, axis=0))
     assert got.flags.c_contiguous and got.flags.writeable
+
+
+def test_a_finished_output_keeps_only_its_rows_alive() -> None:
+    """Upstream's concatenation owns exactly the rows; so does what the finish wrapper
+    hands out (a view of the buffer kept its growth slack alive with the output)."""
+    rng = np.random.default_rng(1)
+    chunks = [_rows(rng, 1) for _ in range(5000)]
+    gathered = response_rows.RowChunks()
+    for chunk in chunks:
+        gathered.append(chunk)
+    state = types.SimpleNamespace(routed_experts_chunks=gathered)
+    made = types.SimpleNamespace(finish_reason="length", routed_experts=None)
+    wrapper = response_rows._new_completion_output({})
+    out = wrapper(lambda: made, state, (), {}).routed_experts
+    expected = np.concatenate(chunks, axis=0)
+    _same(out, expected)
+    assert out.base is None and out.flags.owndata and out.nbytes == expected.nbytes
 
 
 @pytest.mark.parametrize(

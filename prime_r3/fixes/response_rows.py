@@ -14,9 +14,10 @@ chunk, and ``[-1] = prefix`` (upstream's trim of tokens dropped after a stop str
 rewinds the last chunk and appends the prefix. Its list storage stays empty, so
 upstream's ``if finished and self.routed_experts_chunks`` builds its output with
 ``routed_experts=None``; our ``_new_completion_output`` wrapper then sets the output's
-``routed_experts`` to the rows as one array over that buffer (``np.frombuffer`` +
-``reshape``: no copy). That array equals upstream's concatenation: same dtype, shape and
-values, C-contiguous and writeable; it is a view of the buffer (``OWNDATA`` False).
+``routed_experts`` to the rows as one array of their exact size (``finished()``: one copy
+of the buffer, where upstream's ``np.concatenate`` copies every chunk). That array equals
+upstream's concatenation: same dtype, shape and values, C-contiguous, writeable, owning its
+data; a view of the buffer would keep its growth slack (up to ~1/8) alive with the output.
 
 Fast case: every chunk an exact ``np.ndarray`` of the first chunk's dtype, ndim >= 1 and
 trailing shape, exporting a contiguous buffer. Anything else (another dtype or shape,
@@ -161,6 +162,10 @@ class RowChunks(list):
             self._spill_rows("setitem")
         list.__setitem__(self, index, value)
 
+    def finished(self) -> Any:
+        """The rows as the finished output's own array: exactly their bytes, nothing else."""
+        return self.array().copy()
+
     def array(self) -> Any:
         """The rows gathered so far as one array (a view of the buffer)."""
         assert self._rows is not None
@@ -187,7 +192,7 @@ def _new_completion_output(params: Mapping[str, Any]) -> WrapperFn:
             and output.finish_reason is not None
             and output.routed_experts is None
         ):
-            output.routed_experts = chunks.array()
+            output.routed_experts = chunks.finished()
             COUNTERS.fast += 1
         return output
 
@@ -220,5 +225,5 @@ SPEC = PatchSpec(
         Anchor(OUTPUT_PROCESSOR, "OutputProcessor._trim_surplus_tokens", _TRIM, releases=">=0.32"),
     ),
     diff_pending="upstream form (RequestState keeping one row buffer) not written yet",
-    notes="Array equal to upstream's concatenation (dtype, shape, values); a view of the buffer.",
+    notes="Array equal to upstream's concatenation (dtype, shape, values), owning its data.",
 )

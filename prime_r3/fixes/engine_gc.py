@@ -168,7 +168,9 @@ def _no_effect_here() -> str | None:
     CPU platform their worker is ``CPUWorker``, whose ``compile_or_warm_up_model``
     replaces ``Worker``'s and calls no ``freeze_gc_heap`` (0.31-0.33). EngineCore and the
     API server are other processes (and an in-process engine's process is not a
-    ``VllmWorker``), so the patch still applies there.
+    ``VllmWorker``), so the patch still applies there. Not seen by this check: a Ray
+    worker on CPU (an actor, not a ``VllmWorker``; reported applied though CPUWorker never
+    freezes) and a custom ``worker_cls`` on CPU (reported skipped even if it freezes).
     """
     if not multiprocessing.current_process().name.startswith("VllmWorker-"):
         return None

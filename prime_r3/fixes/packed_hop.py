@@ -271,11 +271,13 @@ def pack(outputs: Any) -> tuple[Any, list[Any], list[Any]] | None:
 
 
 def _packed(outputs: Any, taken_outs: list[Any], present: list[Any], counts: Any, rows: Any) -> Any:
-    n = len(taken_outs)
-    list(map(setattr, taken_outs, itertools.repeat(_ROUTED, n), itertools.repeat(None, n)))
+    # The packed struct first: whatever raises here leaves every output its array.
     cls = _packed_type()
     values = [getattr(outputs, name) for name in _types["fields"]]
-    return cls(*values, (counts, rows)), taken_outs, present
+    packed = cls(*values, (counts, rows))
+    n = len(taken_outs)
+    list(map(setattr, taken_outs, itertools.repeat(_ROUTED, n), itertools.repeat(None, n)))
+    return packed, taken_outs, present
 
 
 #: An array's class, shape and dtype: arrays alike in all three are joined.

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from prime_r3.patches import REGISTRY
 from tests.e2e_harness import (
     PRIME,
     UPSTREAM,
@@ -126,7 +127,8 @@ def test_multiprocess_processes_report_their_patches(mp_pair: tuple[Any, Any]) -
         assert all(p.summaries == 1 for p in procs), [(p.role, p.summaries) for p in procs]
         assert visible_lines(engine.log_path) == {p.pid: 1 for p in procs}
         assert all(p.version is not None and p.version.endswith("+cpu") for p in procs)
-    assert all(p.active == [] and len(p.disabled) == 10 for p in upstream.processes())
+    every = len(REGISTRY)  # PRIME_R3=0 disables every registry patch
+    assert all(p.active == [] and len(p.disabled) == every for p in upstream.processes())
     roles = {p.role: p for p in prime.processes()}
     assert {"batched_take", "batched_meta"} <= set(roles["engine_core"].active)
     assert {"store_arena", "batched_begin", "batched_commit", "packed_outputs"} <= set(

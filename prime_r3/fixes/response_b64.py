@@ -34,12 +34,11 @@ from __future__ import annotations
 
 import asyncio
 import io
-import threading
 import weakref
-from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+from prime_r3.fixes.response_rows import Counters
 from prime_r3.spec import Anchor, PatchSpec, Process, Target, WrapperFn
 
 #: The serving modules that ``from vllm.utils.serial_utils import numpy2base64``.
@@ -54,30 +53,7 @@ SERVING = SERVING_MODULES[0]
 OFF_LOOP_MIN = 1 << 16
 
 
-class Counters:
-    """Arrays encoded by the fast case, and by upstream's function per reason."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.fast = 0
-        self.off_loop = 0  # of ``fast``: strings made in the executor
-        self.fallback: Counter[str] = Counter()
-
-    def add_fallback(self, reason: str) -> None:
-        with self._lock:
-            self.fallback[reason] += 1
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            return {"fast": self.fast, "off_loop": self.off_loop, "fallback": dict(self.fallback)}
-
-    def reset(self) -> None:
-        with self._lock:
-            self.fast = self.off_loop = 0
-            self.fallback.clear()
-
-
-COUNTERS = Counters()
+COUNTERS = Counters("off_loop")
 
 
 def _why_not_fast(array: Any, np: Any) -> str:

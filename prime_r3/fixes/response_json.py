@@ -27,11 +27,10 @@ unchanged (the last two counted in ``COUNTERS``). The content is never modified.
 from __future__ import annotations
 
 import secrets
-import threading
-from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from prime_r3.fixes.response_rows import Counters
 from prime_r3.spec import Anchor, PatchSpec, Process, Target, WrapperFn
 
 API_ROUTER = "vllm.entrypoints.scale_out.token_in_token_out.api_router"
@@ -39,30 +38,7 @@ API_ROUTER = "vllm.entrypoints.scale_out.token_in_token_out.api_router"
 MIN_SPLICE = 1 << 16
 
 
-class Counters:
-    """Bodies with spliced strings (``fast``, ``strings``), and fallbacks per reason."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.fast = 0
-        self.strings = 0
-        self.fallback: Counter[str] = Counter()
-
-    def add_fallback(self, reason: str) -> None:
-        with self._lock:
-            self.fallback[reason] += 1
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            return {"fast": self.fast, "strings": self.strings, "fallback": dict(self.fallback)}
-
-    def reset(self) -> None:
-        with self._lock:
-            self.fast = self.strings = 0
-            self.fallback.clear()
-
-
-COUNTERS = Counters()
+COUNTERS = Counters("strings")
 
 
 def _long_strings(content: Any) -> list[tuple[int, str]]:

@@ -46,12 +46,14 @@ OUTPUT_PROCESSOR = "vllm.v1.engine.output_processor"
 
 
 class Counters:
-    """Requests whose rows were gathered (``fast``), and spills per reason."""
+    """The API-server patches' counts: ``fast``, any further counts named in ``extra``
+    (e.g. response_b64's ``off_loop``), and the fallbacks to upstream per reason."""
 
-    def __init__(self) -> None:
+    def __init__(self, *extra: str) -> None:
         self._lock = threading.Lock()
-        self.fast = 0
+        self._names = ("fast", *extra)
         self.fallback: Counter[str] = Counter()
+        self.reset()
 
     def add_fallback(self, reason: str) -> None:
         with self._lock:
@@ -59,11 +61,13 @@ class Counters:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {"fast": self.fast, "fallback": dict(self.fallback)}
+            counts = {name: getattr(self, name) for name in self._names}
+            return {**counts, "fallback": dict(self.fallback)}
 
     def reset(self) -> None:
         with self._lock:
-            self.fast = 0
+            for name in self._names:
+                setattr(self, name, 0)
             self.fallback.clear()
 
 

@@ -19,10 +19,12 @@ from __future__ import annotations
 import base64
 import io
 import json
+import mmap
 import types
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -196,6 +198,66 @@ def test_a_finished_output_keeps_only_its_rows_alive() -> None:
     assert out.base is None and out.flags.owndata and out.nbytes == expected.nbytes
 
 
+def _mapping_of(array: np.ndarray) -> Any:
+    base = array
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = base.base if isinstance(base, np.ndarray) else getattr(base, "obj", None)
+    return base
+
+
+@pytest.mark.parametrize("mapped_from", [64, 1 << 12])
+def test_mapped_rows_are_handed_out_without_a_copy(
+    monkeypatch: pytest.MonkeyPatch, mapped_from: int
+) -> None:
+    """Past ``MAPPED_FROM`` the rows live in a mapping that grows in place and is handed
+    out as the finished array's memory, shrunk to the rows' bytes: upstream's values,
+    nothing else kept alive; a later chunk or trim spills and leaves that array as it was."""
+    monkeypatch.setattr(response_rows, "MAPPED_FROM", mapped_from)
+    rng = np.random.default_rng(4)
+    chunks = [_rows(rng, 3)] + [_rows(rng, 1) for _ in range(3000)]
+    gathered = response_rows.RowChunks()
+    for chunk in chunks:
+        gathered.append(chunk)
+    state = types.SimpleNamespace(routed_experts_chunks=gathered)
+    made = types.SimpleNamespace(finish_reason="length", routed_experts=None)
+    out = response_rows._new_completion_output({})(lambda: made, state, (), {}).routed_experts
+    expected = np.concatenate(chunks, axis=0)
+    _same(out, expected)
+    assert out.flags.c_contiguous and out.flags.writeable
+    mapping = _mapping_of(out)
+    assert isinstance(mapping, mmap.mmap) and len(mapping) == expected.nbytes
+    response_rows.COUNTERS.reset()
+    again = gathered.finished()  # a second finish: a copy of its own, as concatenate's
+    _same(again, expected)
+    assert not np.shares_memory(again, out)
+    gathered[-1] = chunks[-1][:0]  # a trim once handed out
+    gathered.append(chunks[0])
+    assert dict(response_rows.COUNTERS.fallback) == {"setitem": 1}
+    _same(np.concatenate(gathered, axis=0), np.concatenate([*chunks[:-1], chunks[0]], axis=0))
+    _same(out, expected)  # the array handed out is unchanged
+
+
+@pytest.mark.parametrize("mapped_from", [64, 1 << 12])
+def test_mapped_rows_trim_and_spill_as_upstream(
+    monkeypatch: pytest.MonkeyPatch, mapped_from: int
+) -> None:
+    monkeypatch.setattr(response_rows, "MAPPED_FROM", mapped_from)
+    rng = np.random.default_rng(5)
+    chunks = [_rows(rng, 40)] + [_rows(rng, 2) for _ in range(200)]
+    upstream = list(chunks)
+    gathered = response_rows.RowChunks()
+    for chunk in chunks:
+        gathered.append(chunk)
+    upstream[-1] = chunks[-1][:1]
+    gathered[-1] = chunks[-1][:1]
+    _same(gathered.array(), np.concatenate(upstream, axis=0))
+    odd = _rows(rng, 2, np.uint16)
+    gathered.append(odd)
+    upstream.append(odd)
+    assert not gathered.gathered
+    _same(np.concatenate(gathered, axis=0), np.concatenate(upstream, axis=0))
+
+
 @pytest.mark.parametrize(
     "odd",
     [
@@ -335,7 +397,12 @@ def test_json_body_is_upstreams_bytes() -> None:
     before = json.dumps(content)
     response_json.COUNTERS.reset()
     assert _render(content) == _upstream_body(content)
-    assert response_json.COUNTERS.snapshot() == {"fast": 1, "strings": 2, "fallback": {}}
+    assert response_json.COUNTERS.snapshot() == {
+        "fast": 1,
+        "strings": 2,
+        "off_loop": 0,
+        "fallback": {},
+    }
     assert json.dumps(content) == before  # the content is never modified
 
 
@@ -352,6 +419,78 @@ def test_json_body_is_upstreams_bytes() -> None:
 )
 def test_json_other_content_is_upstreams(content: Any) -> None:
     assert _render(content) == _upstream_body(content)
+
+
+def _through_app(make: Any, content: Any) -> httpx.Response:
+    """``content`` answered by ``make(content=...)`` from a FastAPI route, over ASGI."""
+    import asyncio
+
+    import fastapi
+
+    app = fastapi.FastAPI()
+
+    @app.post("/r")
+    async def route() -> Any:
+        return make(content=content)
+
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post("/r")
+
+    return asyncio.run(go())
+
+
+def _spliced_json_response() -> Any:
+    from starlette.responses import JSONResponse
+
+    wrapper = response_json._json_response({})
+    return lambda **kw: wrapper(JSONResponse, None, (), kw)
+
+
+@pytest.mark.parametrize(
+    ("content", "off_loop"),
+    [
+        pytest.param({"choices": [{"index": 0, "routed_experts": _b64(120_000)}]}, 1, id="long"),
+        pytest.param({"choices": [{"index": 0, "routed_experts": _b64(30)}]}, 0, id="short"),
+        pytest.param(
+            {"choices": [{"routed_experts": _b64(120_000), "x": float("nan")}]}, 0, id="error"
+        ),
+    ],
+)
+def test_json_response_sends_upstreams_status_headers_and_body(content: Any, off_loop: int) -> None:
+    """Through a real FastAPI route: status, headers and body are upstream's, a long
+    string's body rendered off the loop, a render error answered as upstream's."""
+    from starlette.responses import JSONResponse
+
+    response_json.COUNTERS.reset()
+    ours = _through_app(_spliced_json_response(), content)
+    upstream = _through_app(JSONResponse, content)
+    assert (ours.status_code, ours.headers.raw, ours.content) == (
+        upstream.status_code,
+        upstream.headers.raw,
+        upstream.content,
+    )
+    off_loop = response_json.COUNTERS.snapshot()["off_loop"]
+    assert off_loop == (
+        1 if "long" in str(content) or len(str(content)) > 1000 and ours.status_code == 200 else 0
+    )
+
+
+def test_json_response_read_before_sending_renders_at_once() -> None:
+    """``body`` / ``headers`` read before the send: rendered then, as upstream's
+    constructor would have; the send then sends that, and nothing is rendered twice."""
+    from starlette.responses import JSONResponse
+
+    content = {"choices": [{"index": 0, "routed_experts": _b64(120_000)}]}
+    response_json.COUNTERS.reset()
+    ours = _spliced_json_response()(content=content, headers={"x-a": "1"})
+    upstream = JSONResponse(content=content, headers={"x-a": "1"})
+    assert ours.headers.raw == upstream.headers.raw
+    assert ours.body == upstream.body
+    assert response_json.COUNTERS.snapshot()["fast"] == 1
+    with pytest.raises(AttributeError):
+        ours.not_an_attribute  # noqa: B018
 
 
 def test_json_a_placeholder_in_the_content_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,7 +32,8 @@ Arms: ``off`` (R3 off, ``PRIME_R3=0``), ``upstream`` (R3 on, ``PRIME_R3=0``), ``
 ``PRIME_R3_ENGINE_GC_API_SERVER=1``), alternated in each round. Per arm, the median
 over rounds of: the loop's longest stall and p99 lag during the wave and during its
 finish (from the engine's last step to the last response), ``/health`` latency (max,
-p99), client errors, API-server CPU (all threads) per response over the wave, peak RSS,
+p99), client errors, API-server CPU (all threads, read from ``/proc`` by the driver, so a
+stall is counted) per response over the wave and over its finish, peak RSS,
 bytes per response, and the wave's wall time.
 """
 
@@ -358,6 +359,49 @@ async def _probe(samples: list[tuple[float, float, float]]) -> None:
         samples.append((now, loop.time() - start - PROBE_S, time.process_time()))
 
 
+class StallStacks(threading.Thread):
+    """While the loop is late by more than ``after`` s, sample its thread's stack every
+    ``every`` s: ``seen`` is (time, innermost frames) (``--stall-stacks``)."""
+
+    def __init__(self, samples: list[tuple[float, float, float]], after: float = 0.05) -> None:
+        super().__init__(daemon=True, name="prime_r3-stall-stacks")
+        self.samples, self.after, self.every = samples, after, 0.01
+        self.loop_thread = threading.get_ident()
+        self.seen: list[tuple[float, str]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        import traceback
+
+        while not self.stop.wait(self.every):
+            if not self.samples or time.monotonic() - self.samples[-1][0] < PROBE_S + self.after:
+                continue
+            frame = sys._current_frames().get(self.loop_thread)
+            if frame is None:
+                continue
+            stack = traceback.extract_stack(frame)[-6:]
+            key = " < ".join(
+                f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(stack)
+            )
+            self.seen.append((time.monotonic(), key))
+
+
+class GcPauses:
+    """Each collection's (end time, generation, seconds), through ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[float, int, float]] = []
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append(
+                (time.monotonic(), info["generation"], time.perf_counter() - self._start)
+            )
+
+
 def _overlay_state() -> dict[str, Any]:
     """The front-end patches' states in this process and their counters."""
     from prime_r3 import layer
@@ -398,6 +442,7 @@ def server_main(argv: Sequence[str]) -> int:
     p.add_argument("--max-model-len", type=int, required=True)
     p.add_argument("--max-num-seqs", type=int, required=True)
     p.add_argument("--stats", required=True)
+    p.add_argument("--stall-stacks", type=int, default=0)
     ours = p.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="prime_r3_wave_model_") as model:
@@ -431,10 +476,17 @@ def server_main(argv: Sequence[str]) -> int:
         listen_address, sock = setup_server(args, reuse_port=False)
         samples: list[tuple[float, float, float]] = []
         stats: dict[str, Any] = {}
+        sampler = StallStacks(samples) if ours.stall_stacks else None
+        gc_pauses = GcPauses()
 
         async def serve() -> None:
             probe = asyncio.get_running_loop().create_task(_probe(samples))
             stats["rss_start_kb"] = _rss_kb()
+            if sampler is not None:
+                sampler.start()
+            import gc
+
+            gc.callbacks.append(gc_pauses)
             try:
                 await run_server_worker(
                     listen_address,
@@ -451,6 +503,9 @@ def server_main(argv: Sequence[str]) -> int:
             stats["maxrss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             stats["prime_r3"] = _overlay_state()
             stats["samples"] = samples
+            stats["gc_pauses"] = gc_pauses.pauses
+            if sampler is not None:
+                stats["stall_stacks"] = sampler.seen
             with open(ours.stats, "w") as f:
                 json.dump(stats, f)
     return 0
@@ -583,6 +638,7 @@ def run_arm(
     workdir: str,
     bodies: str = "",
     env_extra: dict[str, str] | None = None,
+    stall_stacks: bool = False,
 ) -> dict[str, Any]:
     """One arm: engine stand-in, API server and client; returns its measurements."""
     r3 = int(arm != "off")
@@ -600,7 +656,8 @@ def run_arm(
     procs: dict[str, subprocess.Popen] = {}
     try:
         procs["server"] = subprocess.Popen(
-            [*me, "server", *common, "--port", str(port), "--stats", files["server"]],
+            [*me, "server", *common, "--port", str(port), "--stats", files["server"]]
+            + ["--stall-stacks", str(int(stall_stacks))],
             env=env,
             stdout=logs["server"],
             stderr=subprocess.STDOUT,
@@ -615,6 +672,8 @@ def run_arm(
             stderr=subprocess.STDOUT,
         )
         _wait_healthy(port, procs, deadline=time.monotonic() + START_S)
+        cpu = ProcessCpu(procs["server"].pid)
+        cpu.start()
         client = subprocess.run(
             [*me, "client", "--port", str(port), "--shape", json.dumps(asdict(shape))]
             + ["--stream", str(int(stream)), "--timeout", str(timeout), "--out", files["client"]]
@@ -627,6 +686,7 @@ def run_arm(
         )
         if client.returncode != 0:
             raise RuntimeError(f"{arm}: client failed: {client.stderr[-2000:]}")
+        cpu.stop.set()
     finally:
         for name in ("server", "engine"):
             proc = procs.get(name)
@@ -649,7 +709,32 @@ def run_arm(
             raise RuntimeError(f"{arm}: the {k} wrote no stats; its log ends:\n{log}")
         with open(path) as f:
             loaded[k] = json.load(f)
-    return summarise(arm, shape, loaded["engine"], loaded["server"], loaded["client"])
+    return summarise(arm, shape, loaded["engine"], loaded["server"], loaded["client"], cpu)
+
+
+class ProcessCpu(threading.Thread):
+    """Another process's CPU time (user + system, all its threads) every 10 ms, read from
+    ``/proc``: unlike the server's own probe, it keeps sampling while the loop stalls."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True, name="wave-cpu")
+        self.path, self.samples = f"/proc/{pid}/stat", []
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.01):
+            try:
+                with open(self.path) as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except OSError:
+                return
+            self.samples.append((time.monotonic(), (int(fields[11]) + int(fields[12])) / self.tick))
+
+    def between(self, start: float, end: float) -> float:
+        """CPU seconds used from ``start`` to ``end`` (the samples nearest inside)."""
+        inside = [c for t, c in self.samples if start <= t <= end]
+        return inside[-1] - inside[0] if len(inside) > 1 else float("nan")
 
 
 def _wait_healthy(port: int, procs: dict[str, subprocess.Popen], deadline: float) -> None:
@@ -670,7 +755,12 @@ def _wait_healthy(port: int, procs: dict[str, subprocess.Popen], deadline: float
 
 
 def summarise(
-    arm: str, shape: Shape, engine: dict[str, Any], server: dict[str, Any], client: dict[str, Any]
+    arm: str,
+    shape: Shape,
+    engine: dict[str, Any],
+    server: dict[str, Any],
+    client: dict[str, Any],
+    cpu: ProcessCpu,
 ) -> dict[str, Any]:
     start, end = client["start"], client["end"]
     finish_from = engine.get("last_step", end)
@@ -679,7 +769,7 @@ def summarise(
     finish = [s for s in samples if finish_from <= s[0] <= end]
     lags = [s[1] for s in wave]
     finish_lags = [s[1] for s in finish]
-    cpu = (wave[-1][2] - wave[0][2]) if len(wave) > 1 else float("nan")
+    gcs = [g for g in server.get("gc_pauses", []) if start <= g[0] <= end]
     results = client["results"]
     ok = [r for r in results if r.get("status") == 200]
     health = [h for h in client["health"] if start <= h[0] <= end]
@@ -697,11 +787,9 @@ def summarise(
         "finish_p99_lag_ms": 1000 * _pct(finish_lags, 0.99),
         "health_max_ms": 1000 * max(health_lat, default=float("nan")),
         "health_p99_ms": 1000 * _pct(health_lat, 0.99),
-        "cpu_s": cpu,
-        "cpu_ms_per_response": 1000 * cpu / max(len(ok), 1),
-        "finish_cpu_ms_per_response": 1000
-        * ((finish[-1][2] - finish[0][2]) if len(finish) > 1 else float("nan"))
-        / max(len(ok), 1),
+        "cpu_s": cpu.between(start, end),
+        "cpu_ms_per_response": 1000 * cpu.between(start, end) / max(len(ok), 1),
+        "finish_cpu_ms_per_response": 1000 * cpu.between(finish_from, end) / max(len(ok), 1),
         "peak_rss_mb": server["maxrss_kb"] / 1024,
         "rss_start_mb": server.get("rss_start_kb", 0) / 1024,
         "bytes_per_response": statistics.median([r["bytes"] for r in ok]) if ok else 0,
@@ -710,7 +798,24 @@ def summarise(
         "steps": engine.get("steps", 0),
         "sha256": [r.get("sha256") for r in sorted(results, key=lambda r: r["i"])],
         "prime_r3": server.get("prime_r3"),
+        "stall_stacks": _stacks_of_longest_stall(wave, server.get("stall_stacks", [])),
+        "gc_max_ms": 1000 * max((g[2] for g in gcs), default=0.0),
+        "gc_total_ms": 1000 * sum(g[2] for g in gcs),
     }
+
+
+def _stacks_of_longest_stall(
+    samples: list[Any], stacks: list[tuple[float, str]]
+) -> list[tuple[int, str]]:
+    """The stacks sampled during the longest stall, most frequent first."""
+    if not samples or not stacks:
+        return []
+    woke, lag, _ = max(samples, key=lambda s: s[1])
+    counts: dict[str, int] = {}
+    for t, key in stacks:
+        if woke - lag - PROBE_S <= t <= woke:
+            counts[key] = counts.get(key, 0) + 1
+    return sorted(((v, k) for k, v in counts.items()), reverse=True)
 
 
 COLUMNS = (
@@ -721,6 +826,8 @@ COLUMNS = (
     ("health_max_ms", "health max", "{:.0f}"),
     ("health_p99_ms", "health p99", "{:.0f}"),
     ("errors", "errors", "{:.0f}"),
+    ("gc_max_ms", "gc max ms", "{:.0f}"),
+    ("gc_total_ms", "gc total ms", "{:.0f}"),
     ("cpu_ms_per_response", "cpu ms/resp", "{:.1f}"),
     ("finish_cpu_ms_per_response", "fin cpu ms/resp", "{:.1f}"),
     ("peak_rss_mb", "peak RSS MB", "{:.0f}"),
@@ -770,6 +877,8 @@ def report(shape: Shape, stream: bool, rounds: list[dict[str, dict[str, Any]]]) 
             )
         )
         for arm in arms:
+            for count, stack in r[arm]["stall_stacks"][:12]:
+                lines.append(f"  {arm}'s longest stall, {count} x 10 ms in: {stack}")
             if r[arm]["error_kinds"]:
                 lines.append(f"  {arm} errors: {r[arm]['error_kinds']}")
     return "\n".join(lines)
@@ -791,6 +900,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="8 samples x 256 tokens, 1 round")
     p.add_argument("--json", default="", help="also write the per-round results here")
     p.add_argument("--workdir", default="", help="keep logs and stats here (default: a temp dir)")
+    p.add_argument(
+        "--stall-stacks",
+        action="store_true",
+        help="sample the loop thread's stack while it is late; print the longest stall's",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -829,6 +943,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         timeout=args.timeout,
                         step_ms=args.step_ms,
                         workdir=workdir,
+                        stall_stacks=args.stall_stacks,
                     )
                     for arm in order
                 }

@@ -20,7 +20,8 @@ Off the event loop (``/inference/v1/generate``): ``ServingTokens``'
 ``serve_tokens_full_generator`` and ``serve_tokens_stream_generator`` get their
 ``result_generator`` through ``encoded_off_loop``, which passes every output on
 unchanged and, before passing on a finished one, encodes its fast-case arrays of at
-least 64 KiB in the loop's default executor (pybase64 releases the GIL) and remembers
+least 64 KiB on the patches' one worker thread (``off_loop_executor``; pybase64 releases
+the GIL) and remembers
 each string by its array (identity, through a weak reference: an entry goes when its
 array does, so a string lives no longer than the array it encodes). Our
 ``numpy2base64`` returns the remembered string for that very array, else encodes as
@@ -33,7 +34,9 @@ resumes as its encoding completes instead of all of them encoding in one loop pa
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import io
+import threading
 import weakref
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -131,10 +134,29 @@ async def encoded_off_loop(results: AsyncIterator[Any]) -> AsyncIterator[Any]:
                 and array.nbytes >= OFF_LOOP_MIN
             ]
             if arrays:
-                strings = await loop.run_in_executor(None, _encode_all, arrays)
+                strings = await loop.run_in_executor(off_loop_executor(), _encode_all, arrays)
                 for array, string in zip(arrays, strings, strict=True):
                     _remember(array, string)
         yield result
+
+
+_EXECUTOR: list[concurrent.futures.ThreadPoolExecutor] = []
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def off_loop_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread the front-end patches encode and render on (made on first use).
+
+    One thread, not the loop's default executor: a wave's encodings and renders queue
+    behind each other instead of several threads contending with the event loop for the
+    GIL and the cores at once, and vLLM's own uses of the default executor never wait
+    behind them."""
+    with _EXECUTOR_LOCK:
+        if not _EXECUTOR:
+            _EXECUTOR.append(
+                concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prime_r3-response")
+            )
+        return _EXECUTOR[0]
 
 
 def _encode_all(arrays: list[Any]) -> list[str]:

@@ -22,14 +22,28 @@ The body is upstream's byte for byte: the same ``json.dumps`` of the same values
 strings' JSON being themselves in quotes. Content without such strings, a string that
 is not base64, or a placeholder found other than once, goes to upstream's ``render``
 unchanged (the last two counted in ``COUNTERS``). The content is never modified.
+
+Off the event loop: for content with such strings, the subclass's ``__init__`` runs the
+first lines of Starlette's ``Response.__init__`` (status, media type, background) and
+defers its last two (``self.body = self.render(content)``, ``self.init_headers(headers)``)
+to the response's first use. Its ``__call__`` (the ASGI send, which FastAPI awaits inside
+the same exception handling as the route) renders on response_b64's worker thread
+(``off_loop_executor``), sets body and headers, and runs Starlette's ``__call__``.
+Reading ``body`` or ``raw_headers`` (or ``headers``) before that renders at once, on the
+reader's thread, as upstream's constructor would have. Either way the response sends
+upstream's status, headers and body; only where the rendering runs moves. A render
+error (upstream's, raised in its constructor) is raised by ``__call__`` before anything
+is sent, to the same handlers. The three Starlette methods are anchored.
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from prime_r3.fixes.response_b64 import off_loop_executor
 from prime_r3.fixes.response_rows import Counters
 from prime_r3.spec import Anchor, PatchSpec, Process, Target, WrapperFn
 
@@ -38,7 +52,7 @@ API_ROUTER = "vllm.entrypoints.scale_out.token_in_token_out.api_router"
 MIN_SPLICE = 1 << 16
 
 
-COUNTERS = Counters("strings")
+COUNTERS = Counters("strings", "off_loop")
 
 
 def _long_strings(content: Any) -> list[tuple[int, str]]:
@@ -109,7 +123,55 @@ def _json_response(params: Mapping[str, Any]) -> WrapperFn:
             def spliced_render(self: Any, content: Any) -> bytes:
                 return render(content, super(made, self).render)
 
-            made = type(cls.__name__, (cls,), {"render": spliced_render, "__module__": __name__})
+            def deferred_init(
+                self: Any,
+                content: Any,
+                status_code: int = 200,
+                headers: Any = None,
+                media_type: str | None = None,
+                background: Any = None,
+            ) -> None:
+                if not _long_strings(content):  # nothing worth a thread: upstream's init
+                    super(made, self).__init__(
+                        content, status_code, headers, media_type, background
+                    )
+                    return
+                # Starlette's Response.__init__ (anchored), its last two lines deferred.
+                self.status_code = status_code
+                if media_type is not None:
+                    self.media_type = media_type
+                self.background = background
+                self.__dict__[_PENDING] = (content, headers)
+
+            def rendered_on_use(self: Any, name: str) -> Any:
+                if name not in ("body", "raw_headers") or _PENDING not in self.__dict__:
+                    raise AttributeError(name)
+                pending = self.__dict__.pop(_PENDING)
+                _finish(self, pending, self.render(pending[0]))  # on the caller's thread
+                return getattr(self, name)
+
+            async def rendered_off_loop(self: Any, scope: Any, receive: Any, send: Any) -> None:
+                pending = self.__dict__.get(_PENDING)
+                if pending is not None:
+                    loop = asyncio.get_running_loop()
+                    body = await loop.run_in_executor(off_loop_executor(), self.render, pending[0])
+                    if self.__dict__.pop(_PENDING, None) is pending:  # not rendered meanwhile
+                        _finish(self, pending, body)
+                        with COUNTERS._lock:
+                            COUNTERS.off_loop += 1
+                await super(made, self).__call__(scope, receive, send)
+
+            made = type(
+                cls.__name__,
+                (cls,),
+                {
+                    "render": spliced_render,
+                    "__init__": deferred_init,
+                    "__getattr__": rendered_on_use,
+                    "__call__": rendered_off_loop,
+                    "__module__": __name__,
+                },
+            )
             subclasses[cls] = made
         return made
 
@@ -121,10 +183,24 @@ def _json_response(params: Mapping[str, Any]) -> WrapperFn:
     return spliced_json_response
 
 
+#: Where a deferred response keeps (content, headers) until it renders.
+_PENDING = "_prime_r3_pending"
+
+
+def _finish(response: Any, pending: tuple[Any, Any], body: bytes) -> None:
+    """The deferred end of Starlette's ``Response.__init__``: the body, then the headers."""
+    response.body = body
+    response.init_headers(pending[1])
+
+
 # Verified source fingerprints (scripts/fingerprint.py): Starlette's JSONResponse (the
 # same Starlette in every env) and the route, for vLLM 0.31.0, 0.32.0 and 0.33.0.
 _JSON_RESPONSE = frozenset({"5280bda6fcf35120"})
 _GENERATE = frozenset({"4cc721e81423386a", "4816236e36f18b98"})
+_RESPONSE_INIT = frozenset({"8a5615e9cc22eee9"})
+_RESPONSE_CALL = frozenset({"91cb62a22d306d7d"})
+_INIT_HEADERS = frozenset({"71a7a41a05e2f3b9"})
+STARLETTE = "starlette.responses"
 
 SPEC = PatchSpec(
     name="response_json",
@@ -132,7 +208,14 @@ SPEC = PatchSpec(
     vllm_range=">=0.31,<0.34",
     processes=frozenset({Process.API_SERVER}),
     targets=(Target(API_ROUTER, "JSONResponse", _JSON_RESPONSE, _json_response),),
-    anchors=(Anchor(API_ROUTER, "generate", _GENERATE),),
+    anchors=(
+        Anchor(API_ROUTER, "generate", _GENERATE),
+        # The deferred render repeats Response.__init__'s first lines and runs its last
+        # two (render, init_headers) before Response.__call__ sends.
+        Anchor(STARLETTE, "Response.__init__", _RESPONSE_INIT),
+        Anchor(STARLETTE, "Response.__call__", _RESPONSE_CALL),
+        Anchor(STARLETTE, "Response.init_headers", _INIT_HEADERS),
+    ),
     diff_pending="upstream form (the route rendering routed experts once) not written yet",
     notes="Body byte-identical to upstream's render.",
 )

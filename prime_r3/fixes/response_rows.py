@@ -9,30 +9,43 @@ requests finishes in the same step (100 of them: over a second in one call).
 
 Here ``routed_experts_chunks`` is a ``RowChunks`` (a ``list`` subclass, set in
 ``RequestState.__init__`` where upstream sets its list): ``append`` copies each chunk's
-bytes onto one ``bytearray`` (``extend``) (amortised growth, ~1/8 slack at most) and drops the
-chunk, and ``[-1] = prefix`` (upstream's trim of tokens dropped after a stop string)
-rewinds the last chunk and appends the prefix. Its list storage stays empty, so
-upstream's ``if finished and self.routed_experts_chunks`` builds its output with
-``routed_experts=None``; our ``_new_completion_output`` wrapper then sets the output's
-``routed_experts`` to the rows as one array of their exact size (``finished()``: one copy
-of the buffer, where upstream's ``np.concatenate`` copies every chunk). That array equals
-upstream's concatenation: same dtype, shape and values, C-contiguous, writeable, owning its
-data; a view of the buffer would keep its growth slack (up to ~1/8) alive with the output.
+bytes onto one buffer and drops the chunk, and ``[-1] = prefix`` (upstream's trim of
+tokens dropped after a stop string) rewinds the last chunk and appends the prefix. The
+buffer is a ``bytearray`` while the rows are under ``MAPPED_FROM`` (256 KiB); past that
+they move, once, into a private anonymous mapping (``mmap``), which grows by ``mremap``
+(the kernel moves pages, never the rows; reserved pages hold no memory until written).
+Its list storage stays empty, so upstream's ``if finished and self.routed_experts_chunks``
+builds its output with ``routed_experts=None``; our ``_new_completion_output`` wrapper then
+sets the output's ``routed_experts`` to the rows as one array of their exact size
+(``finished()``):
+
+* rows in a mapping: the mapping shrunk to their bytes and handed out as the array's
+  buffer (``np.frombuffer``; no copy, so a wave of long requests finishing in one step
+  costs the loop no copying); from then on the buffer takes no rows in place (a later
+  chunk or trim spills, below), so the array handed out never changes;
+* rows in the ``bytearray``: one copy of them (at most 256 KiB).
+
+That array equals upstream's concatenation: same dtype, shape and values, C-contiguous,
+writeable, and nothing but its rows is kept alive with it (a mapping of their bytes,
+rounded up to a page as glibc rounds its own mapped allocations). What differs, for
+mapped rows only: the array's memory is the mapping it references (``base``), not
+numpy's own (``flags.owndata`` is false, so ``ndarray.resize`` refuses it).
 
 Fast case: every chunk an exact ``np.ndarray`` of the first chunk's dtype, ndim >= 1 and
-trailing shape, exporting a contiguous buffer. Anything else (another dtype or shape,
-which ``np.concatenate`` would promote or refuse; a non-contiguous array; any other
-assignment than ``[-1] =``, or ``[-1] =`` once the rows were handed out) *spills*: the
-rows so far become two ordinary chunks in the list (those before the last chunk, and
-the last chunk, so ``[-1]`` still names it) and the list is upstream's from then on
-(upstream's concatenation of ``[rows before, last, chunk, ...]`` equals that of the
-original chunks); counted in ``COUNTERS`` by reason. The other list operations are not
-overridden: code that reads the list directly (upstream does not) sees it empty until a
-spill.
+trailing shape, C-contiguous. Anything else (another dtype or shape, which
+``np.concatenate`` would promote or refuse; a non-contiguous array; any other assignment
+than ``[-1] =``; a chunk or ``[-1] =`` once mapped rows were handed out; no mapping to
+be had) *spills*: the rows so far become two ordinary chunks in the list (copies of
+those before the last chunk, and of the last chunk, so ``[-1]`` still names it) and the
+list is upstream's from then on (upstream's concatenation of ``[rows before, last,
+chunk, ...]`` equals that of the original chunks); counted in ``COUNTERS`` by reason.
+The other list operations are not overridden: code that reads the list directly
+(upstream does not) sees it empty until a spill.
 """
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections import Counter
 from collections.abc import Mapping
@@ -73,20 +86,24 @@ class Counters:
 
 COUNTERS = Counters()
 _NDARRAY = np.ndarray
+#: Rows of at least this many bytes move from a ``bytearray`` into a private mapping.
+MAPPED_FROM = 1 << 18
 
 
 class RowChunks(list):
     """``routed_experts_chunks`` as one growing byte buffer (see the module docstring)."""
 
-    __slots__ = ("_rows", "_dtype", "_tail", "_last", "_spilled")
+    __slots__ = ("_rows", "_size", "_dtype", "_tail", "_last", "_spilled", "_handed")
 
     def __init__(self) -> None:
         super().__init__()
-        self._rows: bytearray | None = None
+        self._rows: bytearray | mmap.mmap | None = None
+        self._size = 0  # bytes of rows in ``_rows``
         self._dtype: Any = None
         self._tail: tuple[int, ...] = ()
         self._last = 0  # bytes of the last chunk appended
         self._spilled = False
+        self._handed = False  # the mapping's rows were handed out at finish
 
     @property
     def gathered(self) -> bool:
@@ -94,8 +111,7 @@ class RowChunks(list):
         return self._rows is not None
 
     def append(self, chunk: Any) -> None:
-        rows = self._rows
-        if rows is None:
+        if self._rows is None:
             if self._spilled:
                 return list.append(self, chunk)
             self._start(chunk)
@@ -104,30 +120,60 @@ class RowChunks(list):
             return self._spill(chunk, "shape")
         if chunk.dtype != self._dtype:
             return self._spill(chunk, "dtype")
-        before = len(rows)
-        try:
-            rows.extend(chunk)  # the buffer's bytes (``+=`` would be numpy's add)
-        except (BufferError, ValueError, TypeError):  # not contiguous, or rows exported
+        if self._handed:
+            return self._spill(chunk, "handed_out")
+        if not chunk.flags.c_contiguous:
             return self._spill(chunk, "layout")
-        self._last = len(rows) - before
+        try:
+            self._write(chunk)
+        except (BufferError, ValueError, TypeError):  # the rows' buffer exported
+            return self._spill(chunk, "layout")
+        except OSError:  # no mapping to be had (memory, map count)
+            return self._spill(chunk, "mapping")
         return None
 
     def _start(self, chunk: Any) -> None:
-        if type(chunk) is not np.ndarray or chunk.ndim < 1 or chunk.dtype.hasobject:
+        if (
+            type(chunk) is not _NDARRAY
+            or chunk.ndim < 1
+            or chunk.dtype.hasobject
+            or not chunk.flags.c_contiguous
+        ):
             self._spill(chunk, "first_chunk")
             return
-        rows = bytearray()
-        try:
-            rows.extend(chunk)
-        except (BufferError, TypeError, ValueError):
-            self._spill(chunk, "first_chunk")
-            return
-        self._rows, self._dtype, self._tail, self._last = (
-            rows,
+        self._rows, self._dtype, self._tail, self._size = (
+            bytearray(),
             chunk.dtype,
             chunk.shape[1:],
-            len(rows),
+            0,
         )
+        try:
+            self._write(chunk)
+        except OSError:
+            self._rows = None
+            self._spill(chunk, "mapping")
+
+    def _write(self, chunk: Any) -> None:
+        """Append a C-contiguous chunk's bytes (the caller checked dtype and shape)."""
+        rows, size, n = self._rows, self._size, chunk.nbytes
+        if type(rows) is bytearray:
+            if size + n <= MAPPED_FROM:
+                rows.extend(chunk)  # the chunk's bytes (``+=`` would be numpy's add)
+                self._size, self._last = size + n, n
+                return
+            rows = self._map(rows, size + n)
+        if size + n > len(rows):  # grow the mapping (mremap: no copy of the rows)
+            rows.resize(_pages(max(2 * len(rows), size + n)))
+        rows.seek(size)
+        rows.write(chunk)
+        self._size, self._last = size + n, n
+
+    def _map(self, small: bytearray, need: int) -> mmap.mmap:
+        """Move the rows so far into a private anonymous mapping with room for ``need``."""
+        mapped = mmap.mmap(-1, _pages(max(2 * need, 4 * MAPPED_FROM)), flags=mmap.MAP_PRIVATE)
+        mapped.write(small)
+        self._rows = mapped
+        return mapped
 
     def _spill(self, chunk: Any, reason: str) -> None:
         """Become upstream's list, then append ``chunk`` to it."""
@@ -139,7 +185,7 @@ class RowChunks(list):
         (so ``[-1]`` still names the last chunk appended); a plain list from then on."""
         COUNTERS.add_fallback(reason)
         if self._rows is not None:
-            rows = self.array()
+            rows = self.array().copy()
             row_bytes = rows.itemsize * (int(np.prod(self._tail)) if self._tail else 1)
             last = self._last // row_bytes if row_bytes else 0
             list.extend(self, (rows[: len(rows) - last], rows[len(rows) - last :]))
@@ -147,34 +193,58 @@ class RowChunks(list):
         self._spilled = True
 
     def __setitem__(self, index: Any, value: Any) -> None:
-        rows = self._rows
-        if rows is not None:
-            if isinstance(index, int) and index == -1:
+        if self._rows is not None:
+            if isinstance(index, int) and index == -1 and self._rewind():
                 # Upstream's trim: the last chunk replaced by (a prefix of) itself.
-                try:
-                    del rows[len(rows) - self._last :]
-                except BufferError:  # exported: the rows were handed out at finish
-                    pass
+                if self._size:
+                    self.append(value)
                 else:
-                    self._last = 0
-                    if rows:
-                        self.append(value)
-                    else:
-                        self._rows = None
-                        self._start(value)
-                    return
+                    self._rows = None
+                    self._start(value)
+                return
             self._spill_rows("setitem")
         list.__setitem__(self, index, value)
 
+    def _rewind(self) -> bool:
+        """Drop the last chunk's rows in place; False where they cannot be (handed out,
+        or a view of the ``bytearray`` is alive)."""
+        if self._handed:
+            return False
+        keep = self._size - self._last
+        if type(self._rows) is bytearray:
+            try:
+                del self._rows[keep:]
+            except BufferError:
+                return False
+        self._size, self._last = keep, 0
+        return True
+
     def finished(self) -> Any:
-        """The rows as the finished output's own array: exactly their bytes, nothing else."""
-        return self.array().copy()
+        """The rows as the finished output's own array: exactly their bytes, nothing else.
+
+        Rows in a mapping are handed out in it, shrunk to their size (mremap: no copy);
+        from then on the buffer takes no more rows in place (a later chunk spills)."""
+        rows = self._rows
+        if type(rows) is bytearray or self._handed or not self._size:
+            return self.array().copy()
+        try:
+            rows.resize(self._size)
+        except BufferError:  # a view of the rows is alive: they cannot be shrunk
+            return self.array().copy()
+        self._handed = True
+        return self.array()
 
     def array(self) -> Any:
         """The rows gathered so far as one array (a view of the buffer)."""
         assert self._rows is not None
-        flat = np.frombuffer(self._rows, dtype=self._dtype)
+        flat = np.frombuffer(
+            self._rows, dtype=self._dtype, count=self._size // self._dtype.itemsize
+        )
         return flat.reshape((-1, *self._tail))
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 def _request_state_init(params: Mapping[str, Any]) -> WrapperFn:

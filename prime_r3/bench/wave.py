@@ -3,7 +3,7 @@
     python -m prime_r3.bench.wave [--shape writeup|grpo] [--requests 100] [--rounds 3]
         [--arms off,upstream,prime] [--stream] [--quick] [--json FILE]
 
-Three processes per arm, over 127.0.0.1 and ZMQ:
+Four processes per arm, over 127.0.0.1 and ZMQ:
 
 * the **API server**: vLLM's own ``run_server_worker`` (uvicorn, vLLM's FastAPI app and
   routes, the real ``AsyncLLM`` client, output processor and ``/inference/v1/generate``
@@ -18,8 +18,9 @@ Three processes per arm, over 127.0.0.1 and ZMQ:
   output thread (``EngineCoreProc.process_output_sockets``: vLLM's msgspec encoder and
   zero-copy frames). A request's first output carries its prompt rows (one array), every
   later one one row; all finish (``length``) in the same step;
-* a **client**: aiohttp, every request at once, plus a ``/health`` request every 50 ms
-  during the wave; it stops by itself (``--timeout``).
+* a **client**: aiohttp, every request at once; it stops by itself (``--timeout``);
+* a **health** poller: ``GET /health`` every 50 ms on one keep-alive connection, in a
+  process of its own (the client's reading and hashing of the bodies would delay it).
 
 Shapes: ``writeup`` (``--requests`` requests of a 16-token prompt, each generating
 ``--max-tokens`` 16384 tokens: 16k row chunks of 46 x 8 uint8 each) and ``grpo``
@@ -539,8 +540,6 @@ def client_main(argv: Sequence[str]) -> int:
 
     async def run() -> dict[str, Any]:
         results: list[dict[str, Any]] = []
-        health: list[tuple[float, float, int]] = []
-        done = asyncio.Event()
         timeout = aiohttp.ClientTimeout(total=args.timeout)
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
@@ -575,29 +574,44 @@ def client_main(argv: Sequence[str]) -> int:
                 entry["done"] = time.monotonic()
                 results.append(entry)
 
-            async def poll_health() -> None:
-                while not done.is_set():
-                    t0 = time.monotonic()
-                    try:
-                        async with session.get(f"{base}/health") as r:
-                            await r.read()
-                            status = r.status
-                    except Exception:  # noqa: BLE001
-                        status = -1
-                    health.append((t0, time.monotonic() - t0, status))
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(done.wait(), HEALTH_S)
-
-            poller = asyncio.create_task(poll_health())
             start = time.monotonic()
             plan = shape.plan(bool(args.stream))
             await asyncio.gather(*(one(i, n, st) for i, (n, st) in enumerate(plan)))
-            done.set()
-            await poller
-        return {"start": start, "end": time.monotonic(), "results": results, "health": health}
+        return {"start": start, "end": time.monotonic(), "results": results}
 
     with open(args.out, "w") as f:
         json.dump(asyncio.run(run()), f)
+    return 0
+
+
+def health_main(argv: Sequence[str]) -> int:
+    """``GET /health`` every HEALTH_S until SIGTERM, from a process of its own (the wave's
+    client reads and hashes ~1 GB, which would delay its own /health requests)."""
+    import http.client
+
+    p = argparse.ArgumentParser(prog="wave health")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    health: list[tuple[float, float, int]] = []
+    conn = http.client.HTTPConnection("127.0.0.1", args.port, timeout=120)
+    while not stop.is_set():
+        t0 = time.monotonic()
+        try:
+            conn.request("GET", "/health")
+            r = conn.getresponse()
+            r.read()
+            status = r.status
+        except (OSError, http.client.HTTPException):
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", args.port, timeout=120)
+            status = -1
+        health.append((t0, time.monotonic() - t0, status))
+        stop.wait(HEALTH_S)
+    with open(args.out, "w") as f:
+        json.dump(health, f)
     return 0
 
 
@@ -647,7 +661,8 @@ def run_arm(
     port = _free_port()
     max_model_len = shape.prompt_len + shape.max_tokens + 64
     max_num_seqs = max(shape.requests, 8)
-    files = {k: os.path.join(workdir, f"{arm}.{k}.json") for k in ("engine", "server", "client")}
+    kinds = ("engine", "server", "client", "health")
+    files = {k: os.path.join(workdir, f"{arm}.{k}.json") for k in kinds}
     env = arm_env(arm, env_extra)
     me = [sys.executable, "-m", "prime_r3.bench.wave"]
     common = ["--input", inp, "--output", out, "--max-model-len", str(max_model_len)]
@@ -674,6 +689,12 @@ def run_arm(
         _wait_healthy(port, procs, deadline=time.monotonic() + START_S)
         cpu = ProcessCpu(procs["server"].pid)
         cpu.start()
+        procs["health"] = subprocess.Popen(
+            [*me, "health", "--port", str(port), "--out", files["health"]],
+            env=env,
+            stdout=logs["health"],
+            stderr=subprocess.STDOUT,
+        )
         client = subprocess.run(
             [*me, "client", "--port", str(port), "--shape", json.dumps(asdict(shape))]
             + ["--stream", str(int(stream)), "--timeout", str(timeout), "--out", files["client"]]
@@ -688,11 +709,11 @@ def run_arm(
             raise RuntimeError(f"{arm}: client failed: {client.stderr[-2000:]}")
         cpu.stop.set()
     finally:
-        for name in ("server", "engine"):
+        for name in ("health", "server", "engine"):
             proc = procs.get(name)
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGINT if name == "server" else signal.SIGTERM)
-        for name in ("server", "engine"):
+        for name in ("health", "server", "engine"):
             proc = procs.get(name)
             if proc is not None:
                 try:
@@ -709,6 +730,7 @@ def run_arm(
             raise RuntimeError(f"{arm}: the {k} wrote no stats; its log ends:\n{log}")
         with open(path) as f:
             loaded[k] = json.load(f)
+    loaded["client"]["health"] = loaded.pop("health")
     return summarise(arm, shape, loaded["engine"], loaded["server"], loaded["client"], cpu)
 
 
@@ -909,10 +931,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("engine", "server", "client"):
-        return {"engine": engine_main, "server": server_main, "client": client_main}[argv[0]](
-            argv[1:]
-        )
+    roles = {"engine": engine_main, "server": server_main, "client": client_main}
+    roles["health"] = health_main
+    if argv and argv[0] in roles:
+        return roles[argv[0]](argv[1:])
     p = argparse.ArgumentParser(prog="prime-r3 bench wave", description=__doc__.split("\n")[0])
     add_arguments(p)
     args = p.parse_args(argv)

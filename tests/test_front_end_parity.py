@@ -237,6 +237,25 @@ def test_mapped_rows_are_handed_out_without_a_copy(
     _same(out, expected)  # the array handed out is unchanged
 
 
+@pytest.mark.parametrize("mapped_from", [64, 1 << 18])
+def test_revert_hands_rows_in_flight_back_to_upstreams_list(
+    monkeypatch: pytest.MonkeyPatch, mapped_from: int
+) -> None:
+    """Reverted while requests are in flight, upstream's own ``_new_completion_output``
+    (its ``if finished and self.routed_experts_chunks``, then ``np.concatenate``) still
+    finds every request's rows."""
+    monkeypatch.setattr(response_rows, "MAPPED_FROM", mapped_from)
+    rng = np.random.default_rng(6)
+    chunks = [_rows(rng, 30)] + [_rows(rng, 1) for _ in range(100)]
+    gathered = response_rows.RowChunks()
+    for chunk in chunks:
+        gathered.append(chunk)
+    assert not gathered  # what upstream's check would see without the revert
+    response_rows.SPEC.on_revert()
+    assert gathered and not gathered.gathered
+    _same(np.concatenate(gathered, axis=0), np.concatenate(chunks, axis=0))
+
+
 @pytest.mark.parametrize("mapped_from", [64, 1 << 12])
 def test_mapped_rows_trim_and_spill_as_upstream(
     monkeypatch: pytest.MonkeyPatch, mapped_from: int

@@ -40,13 +40,15 @@ those before the last chunk, and of the last chunk, so ``[-1]`` still names it) 
 list is upstream's from then on (upstream's concatenation of ``[rows before, last,
 chunk, ...]`` equals that of the original chunks); counted in ``COUNTERS`` by reason.
 The other list operations are not overridden: code that reads the list directly
-(upstream does not) sees it empty until a spill.
+(upstream does not) sees it empty until a spill. On revert every live buffer spills
+(``on_revert``), so a request in flight finishes with upstream's own concatenation.
 """
 
 from __future__ import annotations
 
 import mmap
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -93,10 +95,12 @@ MAPPED_FROM = 1 << 18
 class RowChunks(list):
     """``routed_experts_chunks`` as one growing byte buffer (see the module docstring)."""
 
-    __slots__ = ("_rows", "_size", "_dtype", "_tail", "_last", "_spilled", "_handed")
+    __slots__ = ("_rows", "_size", "_dtype", "_tail", "_last", "_spilled", "_handed", "__weakref__")
 
     def __init__(self) -> None:
         super().__init__()
+        key = id(self)
+        _LIVE[key] = weakref.ref(self, lambda _, key=key: _LIVE.pop(key, None))
         self._rows: bytearray | mmap.mmap | None = None
         self._size = 0  # bytes of rows in ``_rows``
         self._dtype: Any = None
@@ -243,6 +247,20 @@ class RowChunks(list):
         return flat.reshape((-1, *self._tail))
 
 
+#: Every live buffer, so that revert can hand each one's rows back to upstream's list.
+_LIVE: dict[int, weakref.ref[RowChunks]] = {}
+
+
+def _spill_live() -> None:
+    """On revert: every live buffer becomes upstream's list of its rows (upstream's
+    ``_new_completion_output`` then concatenates them), so no request in flight loses
+    its rows with the wrapper gone."""
+    for ref in list(_LIVE.values()):
+        chunks = ref()
+        if chunks is not None and chunks.gathered:
+            chunks._spill_rows("revert")
+
+
 def _pages(nbytes: int) -> int:
     return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
 
@@ -298,6 +316,7 @@ SPEC = PatchSpec(
         Anchor(OUTPUT_PROCESSOR, "OutputProcessor.process_outputs", _PROCESS_OUTPUTS),
         Anchor(OUTPUT_PROCESSOR, "OutputProcessor._trim_surplus_tokens", _TRIM, releases=">=0.32"),
     ),
+    on_revert=_spill_live,
     diff_pending="upstream form (RequestState keeping one row buffer) not written yet",
     notes="Array equal to upstream's concatenation (dtype, shape, values), owning its data.",
 )

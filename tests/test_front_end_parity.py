@@ -147,6 +147,9 @@ def test_wave_overlay_applied_its_fast_paths(waves: dict[str, Any]) -> None:
     assert counters["response_b64"] == {"fast": samples, "off_loop": samples, "fallback": {}}
     assert counters["response_json"]["strings"] == non_streaming
     assert not counters["response_json"]["fallback"]
+    # The engine stand-in packed its decode steps for the declared client (packed_hop).
+    assert waves["prime"]["summary"]["packed_hop"]["packed_steps"] >= SHAPE.max_tokens - 1
+    assert waves["upstream"]["summary"]["packed_hop"] is None
     upstream = waves["upstream"]["summary"]["prime_r3"]
     assert set(upstream["states"].values()) == {"disabled"}
     assert upstream["counters"]["response_rows"] == {"fast": 0, "fallback": {}}

@@ -17,7 +17,10 @@ Four processes per arm, over 127.0.0.1 and ZMQ:
   ``EngineCoreOutputs`` of real ``EngineCoreOutput``s put on the queue of vLLM's real
   output thread (``EngineCoreProc.process_output_sockets``: vLLM's msgspec encoder and
   zero-copy frames). A request's first output carries its prompt rows (one array), every
-  later one one row; all finish (``length``) in the same step;
+  later one one row; all finish (``length``) in the same step. Where prime_r3 is on it
+  loads vLLM's plugins as EngineCore does and hands a client's ``prime_r3_packed_hop``
+  declaration to ``EngineCoreProc._handle_client_request``, so the hop is packed as
+  between two real processes with the overlay;
 * a **client**: aiohttp, every request at once; it stops by itself (``--timeout``);
 * a **health** poller: ``GET /health`` every 50 ms on one keep-alive connection, in a
   process of its own (the client's reading and hashing of the bodies would delay it).
@@ -59,7 +62,6 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from types import SimpleNamespace
 from typing import Any
 
 LAYERS, TOPK, EXPERTS, VOCAB = 46, 8, 128, 32000
@@ -213,12 +215,21 @@ def engine_main(argv: Sequence[str]) -> int:
     p.add_argument("--timeout", type=float, default=600)
     args = p.parse_args(argv)
 
+    if os.environ.get("PRIME_R3") != "0":
+        # As EngineCore does at start-up: the plugins, so the overlay applies here too
+        # (packed_hop's output thread and declarations, as in a real engine process).
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()
+    from vllm.v1.engine.core import EngineShutdownState
+
     rows = Rows() if args.r3 else None
     output_queue: queue.Queue = queue.Queue()
-    engine = SimpleNamespace(
-        output_queue=output_queue,
-        _send_msg_tracking_payload=EngineCoreProc._send_msg_tracking_payload,
-    )
+    # An EngineCoreProc without its __init__: what its output thread and its handling of
+    # a client's utility calls read (the queue, the shutdown state), nothing more.
+    engine = EngineCoreProc.__new__(EngineCoreProc)
+    engine.output_queue = output_queue
+    engine.shutdown_state = EngineShutdownState.RUNNING
     out_thread = threading.Thread(
         target=EngineCoreProc.process_output_sockets,
         args=(engine, [args.output], None, 0),
@@ -249,7 +260,11 @@ def engine_main(argv: Sequence[str]) -> int:
             children[tuple(prompt)] = child + 1
             live[req.request_id] = (sample_number(prompt, child), prompt)
         elif kind == EngineCoreRequestType.UTILITY:
-            client_idx, call_id, method, _ = generic.decode(frames[1:])
+            client_idx, call_id, method, call_args = generic.decode(frames[1:])
+            if method == "prime_r3_packed_hop":  # the client's declaration: EngineCore's
+                request = (client_idx, call_id, method, call_args)
+                EngineCoreProc._handle_client_request(engine, kind, request)
+                return
             result = {"get_supported_tasks": ("generate",)}.get(method)
             out = UtilityOutput(call_id, result=UtilityResult(result))
             output_queue.put_nowait((client_idx, EngineCoreOutputs(utility_output=out)))
@@ -310,6 +325,10 @@ def engine_main(argv: Sequence[str]) -> int:
         break
     while output_queue.qsize():
         time.sleep(0.01)
+    if os.environ.get("PRIME_R3") != "0":
+        from prime_r3.fixes import packed_hop
+
+        stats["packed_hop"] = packed_hop.COUNTERS.snapshot()
     with open(args.stats, "w") as f:
         json.dump(stats, f)
     # Idle until the driver stops us (the client may still send aborts / utilities).
@@ -820,6 +839,7 @@ def summarise(
         "steps": engine.get("steps", 0),
         "sha256": [r.get("sha256") for r in sorted(results, key=lambda r: r["i"])],
         "prime_r3": server.get("prime_r3"),
+        "packed_hop": engine.get("packed_hop"),
         "stall_stacks": _stacks_of_longest_stall(wave, server.get("stall_stacks", [])),
         "gc_max_ms": 1000 * max((g[2] for g in gcs), default=0.0),
         "gc_total_ms": 1000 * sum(g[2] for g in gcs),
@@ -890,6 +910,7 @@ def report(shape: Shape, stream: bool, rounds: list[dict[str, dict[str, Any]]]) 
             f"masked): {same}"
         )
         lines.append(f"prime arm's API server: {rounds[-1]['prime']['prime_r3']}")
+        lines.append(f"prime arm's engine, packed_hop: {rounds[-1]['prime']['packed_hop']}")
     for i, r in enumerate(rounds):
         lines.append(
             f"round {i}: "

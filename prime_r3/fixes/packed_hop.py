@@ -61,6 +61,11 @@ to the client's own upstream decoder, unchanged; a packed one is decoded as
 ``PackedEngineCoreOutputs``, rebuilt as upstream's ``EngineCoreOutputs`` (same field
 objects; its ``__post_init__`` is a no-op for a decoded timestamp) and every output
 gets an array of its own (a copy: a kept output pins its own rows, never the step's).
+What differs from upstream's array: upstream's is a view of the ZMQ frame that carried
+it (``OWNDATA`` False, ``base`` the array over the frame), this one owns its data
+(``OWNDATA`` True, ``base`` None); type, dtype, shape, bytes, ``WRITEABLE`` (True in
+both) and C-contiguity are upstream's. Matching ``OWNDATA`` would take a second array
+object per output (a copy, then a view of it).
 Counts that do not describe the rows raise a ``ValueError`` naming "packed routed
 experts", which the output loop hands to ``get_output`` as it does a message it cannot
 decode.

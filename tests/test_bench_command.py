@@ -251,12 +251,12 @@ def test_one_round_runs_the_arms_in_display_order() -> None:
 
 def test_withheld_packed_steps_are_listed_by_reason() -> None:
     """The counts come from packed_outputs' own counter (as an arm's run snapshots it)."""
-    from prime_r3.fixes.packed_outputs import HandshakeCounters
+    from prime_r3.fixes.packed_outputs import handshake_counters
 
-    counters = HandshakeCounters()
+    counters = handshake_counters()
     counters.declared_steps = 7
     for reason in ("take_output", "take_output", "metadata"):
-        counters.withheld(reason)
+        counters.add("withheld_reasons", reason, total="withheld_steps")
     results = {"r3_upstream": {"handshake": None}, "r3_prime": {"handshake": counters.snapshot()}}
     assert command._fast_path_lines(results).splitlines() == [
         "fast path vs upstream (first round, measured window):",

@@ -199,3 +199,79 @@ def test_a_foreign_wrapped_target_is_skipped_with_a_reason(
         assert all(owner.__dict__[attr] is orig for owner, attr, orig in before)
     finally:
         layer.revert(["packed_hop"])
+
+
+# -- in this process: the record, the packed form ----------------------------------------
+
+
+class _GrowsWhileIterated(dict):
+    """A dict another thread adds a key to while it is being iterated."""
+
+    def items(self):  # noqa: ANN201 - dict's
+        for i, item in enumerate(super().items()):
+            self[f"added {i}"] = 1
+            yield item
+
+
+def test_status_never_iterates_counts_another_thread_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """live_note runs on the status caller's thread while the output thread adds a
+    reason and the client's output loop a declaration state: it reads copies."""
+    from prime_r3.fixes import packed_hop
+
+    counters = packed_hop.COUNTERS
+    monkeypatch.setattr(counters, "upstream_steps", _GrowsWhileIterated(undeclared=2, as_is=1))
+    monkeypatch.setattr(counters, "declarations", _GrowsWhileIterated({"engine 0": "sent"}))
+    monkeypatch.setattr(counters, "packed_steps", 3)
+    note = packed_hop.live_note()
+    assert "sent 3 packed step(s), upstream's: as_is 1, undeclared 2" in note
+    assert "client: engine 0 sent" in note
+
+
+def _packed_step_bytes() -> tuple[Any, list[bytes]]:
+    import numpy as np
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    from prime_r3.fixes import packed_hop
+
+    rng = np.random.default_rng(3)
+    outputs = EngineCoreOutputs(
+        engine_index=5,
+        outputs=[
+            EngineCoreOutput(
+                request_id=f"r{i}",
+                new_token_ids=[i],
+                routed_experts=rng.integers(0, 9, (1, 46, 8), dtype=np.uint8),
+            )
+            for i in range(4)
+        ],
+    )
+    packed = packed_hop.pack(outputs)
+    assert packed is not None
+    message, taken, arrays = packed
+    try:
+        frames = [bytes(b) for b in MsgpackEncoder().encode_into(message, bytearray())]
+    finally:
+        packed_hop.restore(taken, arrays)
+    return outputs, frames
+
+
+def test_upstreams_decoder_refuses_a_packed_step() -> None:
+    """A decoder that never declared (upstream's) fails loudly on a packed step instead
+    of handing out its outputs without their rows; the reading decoder reads it."""
+    import msgspec
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.serial_utils import MsgpackDecoder
+
+    from prime_r3.fixes import packed_hop
+
+    outputs, frames = _packed_step_bytes()
+    with pytest.raises(msgspec.ValidationError, match=r"\$\[0\]"):
+        MsgpackDecoder(EngineCoreOutputs).decode(frames)
+    got = packed_hop.reading_decoder(MsgpackDecoder(EngineCoreOutputs)).decode(frames)
+    assert type(got) is EngineCoreOutputs and got.engine_index == 5
+    assert [o.routed_experts.tobytes() for o in got.outputs] == [
+        o.routed_experts.tobytes() for o in outputs.outputs
+    ]

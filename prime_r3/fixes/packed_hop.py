@@ -7,8 +7,8 @@ of its own, and the client's output loop (``SyncMPClient``'s thread,
 ``AsyncMPClient``'s task, which is the API server's event loop) decodes them one by
 one. Here the output thread packs the step's arrays into ``(counts, rows)`` (rows per
 output, -1 for none; the rows concatenated) and the client gives every output an array
-of its own back right after decoding: the rule and the wire form of
-``patches/*/02-packed_outputs.patch`` (``pack_routed_experts`` /
+of its own back right after decoding: the rule and, but for ``engine_index``, the
+wire form of ``patches/*/02-packed_outputs.patch`` (``pack_routed_experts`` /
 ``unpack_routed_experts``), which carries this patch's upstream form.
 
 The fast case: a step whose outputs carry at least two plain ndarrays of one dtype and
@@ -34,10 +34,25 @@ So: a client without prime_r3, with ``PRIME_R3=0``, with this patch not selected
 ``PRIME_R3_PATCHES``, or with a changed ``MPClient`` never declares, and its engine
 sends upstream's bytes to every client (a mixed deployment falls back to upstream);
 an engine without this patch answers the call with upstream's failure ("Call to
-prime_r3_packed_hop method failed": it logs the failed invocation once per client) and
-sends upstream's messages, which the declared client's decoder reads with upstream's
-own decoder. The decision is made per message in the output thread from the engine's
+prime_r3_packed_hop method failed") and sends upstream's messages, which the declared
+client's decoder reads with upstream's own decoder. That engine's
+``_invoke_utility_method`` logs ``Invocation of prime_r3_packed_hop method failed`` at
+ERROR with a traceback (``AttributeError``: no such method), once per client at
+start-up; the client logs at INFO that the engine sends upstream's messages. The
+client cannot tell such an engine apart before declaring: the one thing every engine
+sends it first, the ready message (``EngineCoreReadyResponse``), reaches
+``_apply_ready_response`` without the engine's identity, and announcing support there
+would take two more targets on both ends for a line in a mixed install's start-up log.
+The decision is made per message in the output thread from the engine's
 record, so it holds for every client whatever the order of declarations and steps.
+
+The wire form. A packed step is upstream's ``EngineCoreOutputs`` array with
+``engine_index`` as a 1-tuple and one element more (the packed pair). The tuple is
+there for a decoder that never declared (a client whose decoder was replaced after
+``MPClient.__init__``, a tool on the socket): upstream's decoder ignores an array
+element beyond its fields, so it would read the step as outputs without rows; with an
+array where it wants an int it raises ``ValidationError`` (at ``$[0]``) instead, which
+the client's output loop hands to ``get_output``. ``FORMAT_VERSION`` 2 is this form.
 
 Reading. ``ReadingDecoder.decode`` looks at the first byte of the message: upstream's
 ``EngineCoreOutputs`` is a msgpack array of at most its field count (``omit_defaults``
@@ -46,9 +61,17 @@ to the client's own upstream decoder, unchanged; a packed one is decoded as
 ``PackedEngineCoreOutputs``, rebuilt as upstream's ``EngineCoreOutputs`` (same field
 objects; its ``__post_init__`` is a no-op for a decoded timestamp) and every output
 gets an array of its own (a copy: a kept output pins its own rows, never the step's).
+What differs from upstream's array: upstream's is a view of the ZMQ frame that carried
+it (``OWNDATA`` False, ``base`` the array over the frame), this one owns its data
+(``OWNDATA`` True, ``base`` None); type, dtype, shape, bytes, ``WRITEABLE`` (True in
+both) and C-contiguity are upstream's. Matching ``OWNDATA`` would take a second array
+object per output (a copy, then a view of it).
 Counts that do not describe the rows raise a ``ValueError`` naming "packed routed
 experts", which the output loop hands to ``get_output`` as it does a message it cannot
 decode.
+
+Counts (``COUNTERS``, ``prime_r3.counts.Counts``): plain increments by the thread
+doing the work; ``live_note`` and ``snapshot()`` read copies, never the live dicts.
 
 Revert. Reverting in EngineCore makes its encoder upstream's for every client (a
 declared client reads those with upstream's decoder). Reverting in a client stops new
@@ -64,11 +87,12 @@ import operator
 import threading
 import uuid
 import weakref
-from collections import Counter
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
+from prime_r3.counts import Counts
 from prime_r3.spec import Anchor, Calling, PatchSpec, Process, Target, WrapperFn
 
 logger = logging.getLogger("vllm.prime_r3")
@@ -80,39 +104,23 @@ _ENGINE = "vllm.v1.engine"
 
 #: The utility method a client calls to declare it reads the packed form.
 METHOD = "prime_r3_packed_hop"
-#: The packed form this build writes and reads (the declaration's one argument).
-FORMAT_VERSION = 1
+#: The packed form this build writes and reads (the declaration's one argument). 2:
+#: ``engine_index`` goes as a 1-tuple, so that upstream's decoder refuses a packed step.
+FORMAT_VERSION = 2
 #: Rows per output from which an array goes as upstream's frame (as 02's rule).
 _LARGE_BYTES = 8192
 
 
-class HopCounters:
-    """This process's record of the hop, EngineCore side and client side.
-
-    Plain increments (one output thread per engine, one output loop per client).
-    """
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.packed_steps = 0
-        self.upstream_steps: Counter[str] = Counter()
-        self.read_packed = 0
-        self.read_upstream = 0
-        self.declarations: dict[str, str] = {}  # "engine N" -> sent / acknowledged / ...
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "packed_steps": self.packed_steps,
-            "upstream_steps": dict(self.upstream_steps),
-            "read_packed": self.read_packed,
-            "read_upstream": self.read_upstream,
-            "declarations": dict(self.declarations),
-        }
-
-
-COUNTERS = HopCounters()
+#: This process's record of the hop, EngineCore side (``packed_steps``, and
+#: ``upstream_steps`` by reason) and client side (``read_packed``, ``read_upstream``, and
+#: each engine's ``declarations``: sent / acknowledged / declined).
+COUNTERS = Counts(
+    "packed_steps",
+    "read_packed",
+    "read_upstream",
+    tallies=("upstream_steps",),
+    records=("declarations",),
+)
 
 
 class _EngineRecord:
@@ -160,7 +168,7 @@ def _record(engine: Any) -> _EngineRecord:
 
 def live_note() -> str:
     """What the hop does in this process now (``prime-r3 status``, the log)."""
-    c = COUNTERS
+    c = COUNTERS.snapshot()  # never iterate the live dicts another thread writes
     parts = []
     with _records_lock:
         records = list(_records.values())
@@ -170,12 +178,13 @@ def live_note() -> str:
             f"{'?' if record.clients is None else record.clients} client(s) declared, "
             + ("packing" if record.ready else "sending upstream's messages to all")
         )
-    if c.packed_steps or c.upstream_steps:
-        why = ", ".join(f"{k} {v}" for k, v in sorted(c.upstream_steps.items()))
-        parts.append(f"sent {c.packed_steps} packed step(s), upstream's: {why or 'none'}")
-    if c.declarations:
-        parts.append("client: " + ", ".join(f"{k} {v}" for k, v in sorted(c.declarations.items())))
-        parts.append(f"read {c.read_packed} packed step(s), {c.read_upstream} upstream's")
+    if c["packed_steps"] or c["upstream_steps"]:
+        why = ", ".join(f"{k} {v}" for k, v in sorted(c["upstream_steps"].items()))
+        parts.append(f"sent {c['packed_steps']} packed step(s), upstream's: {why or 'none'}")
+    if c["declarations"]:
+        states = sorted(c["declarations"].items())
+        parts.append("client: " + ", ".join(f"{k} {v}" for k, v in states))
+        parts.append(f"read {c['read_packed']} packed step(s), {c['read_upstream']} upstream's")
     if not parts:
         return (
             "in this process no EngineCore output thread or multiprocess client has "
@@ -192,7 +201,10 @@ _types: dict[str, Any] = {}
 
 def _packed_type() -> Any:
     """``PackedEngineCoreOutputs``: upstream's fields, then ``packed_routed_experts``
-    (02's field, appended last: one array element more on the wire)."""
+    (02's field, appended last: one array element more on the wire), with
+    ``engine_index`` as a 1-tuple (a msgpack array where upstream's decoder wants an
+    int: it raises ``ValidationError`` on a packed step instead of ignoring the extra
+    element and handing out outputs without their rows)."""
     found = _types.get("packed")
     if found is not None:
         return found
@@ -202,12 +214,17 @@ def _packed_type() -> Any:
 
     packed_type = msgspec.defstruct(
         "PackedEngineCoreOutputs",
-        [("packed_routed_experts", tuple[np.ndarray, np.ndarray] | None, None)],
+        [
+            ("engine_index", tuple[int], (0,)),  # same position: a subclass keeps it
+            ("packed_routed_experts", tuple[np.ndarray, np.ndarray] | None, None),
+        ],
         bases=(EngineCoreOutputs,),
         module=__name__,
     )
 
     fields = EngineCoreOutputs.__struct_fields__
+    if fields[0] != "engine_index" or packed_type.__struct_fields__[:-1] != fields:
+        raise RuntimeError(f"EngineCoreOutputs' fields are {fields}: engine_index first expected")
     if len(fields) + 1 > 15:  # the fixarray header the reader dispatches on
         raise RuntimeError(f"EngineCoreOutputs has {len(fields)} fields; at most 14 expected")
     _types.update(packed=packed_type, head=0x90 + len(fields) + 1, fields=fields)
@@ -216,6 +233,10 @@ def _packed_type() -> Any:
 
 _ROUTED = "routed_experts"
 _get_routed = operator.attrgetter(_ROUTED)
+_get_dtype = operator.attrgetter("dtype")
+_get_shape = operator.attrgetter("shape")
+#: Runs a C-level ``map`` for its effect, keeping none of its results.
+_consume = deque(maxlen=0).extend
 
 
 def pack(outputs: Any) -> tuple[Any, list[Any], list[Any]] | None:
@@ -228,17 +249,11 @@ def pack(outputs: Any) -> tuple[Any, list[Any], list[Any]] | None:
 
     outs = outputs.outputs
     arrays = list(map(_get_routed, outs))
-    try:  # every output has an array (a decode step's common case); else AttributeError
-        alike = set(map(_get_alike, arrays))
-    except AttributeError:
-        if all(map(operator.is_, arrays, itertools.repeat(None))):  # R3 off: no rows
-            return None
-    else:
-        fast = _pack_alike(arrays, alike, np)
+    kinds = set(map(type, arrays))
+    if kinds == {np.ndarray}:  # every output has an array (a decode step's common case)
+        fast = _pack_alike(arrays, np)
         if fast is not None:
             return _packed(outputs, outs, arrays, *fast)
-    kinds = set(map(type, arrays))
-    if kinds == {np.ndarray}:
         taken_outs, present = outs, arrays
     elif kinds == {np.ndarray, type(None)}:
         taken_outs = [o for o, a in zip(outs, arrays, strict=True) if a is not None]
@@ -274,30 +289,35 @@ def _packed(outputs: Any, taken_outs: list[Any], present: list[Any], counts: Any
     # The packed struct first: whatever raises here leaves every output its array.
     cls = _packed_type()
     values = [getattr(outputs, name) for name in _types["fields"]]
+    values[0] = (values[0],)  # engine_index, as the packed form writes it
     packed = cls(*values, (counts, rows))
     n = len(taken_outs)
-    list(map(setattr, taken_outs, itertools.repeat(_ROUTED, n), itertools.repeat(None, n)))
+    _consume(map(setattr, taken_outs, itertools.repeat(_ROUTED, n), itertools.repeat(None, n)))
     return packed, taken_outs, present
 
 
-#: An array's class, shape and dtype: arrays alike in all three are joined.
-_get_alike = operator.attrgetter("__class__", "shape", "dtype")
+def _pack_alike(arrays: list[Any], np: Any) -> tuple[Any, Any] | None:
+    """``(counts, rows)`` when the outputs' plain ndarrays (``pack`` checked the class)
+    are all of one shape and dtype and under 8 KiB (a decode step's, one row each),
+    else None (``pack``'s general way).
 
-
-def _pack_alike(arrays: list[Any], alike: set[Any], np: Any) -> tuple[Any, Any] | None:
-    """``(counts, rows)`` when every output has a plain ndarray, all of one shape and
-    dtype and under 8 KiB (a decode step's, one row each; ``alike`` is the set of their
-    class, shape and dtype), else None (``pack``'s general way).
-
-    The arrays' bytes are joined rather than concatenated by numpy: C-contiguous
-    arrays' bytes laid end to end are their concatenation along the first axis, and
+    One dtype is checked by identity (numpy hands every array of a builtin dtype the
+    same descriptor object; equal but distinct descriptors go the general way), one
+    shape by equality, each a C-level ``map`` that stops at the first mismatch. The
+    arrays' bytes are joined rather than concatenated by numpy: C-contiguous arrays'
+    bytes laid end to end are their concatenation along the first axis, and
     ``bytes.join`` reads each array's buffer without numpy's per-array dispatch. A
     non-contiguous array exports no simple buffer: None then, and numpy concatenates."""
-    if len(arrays) < 2 or len(alike) != 1:
+    if len(arrays) < 2:
         return None
-    ((cls, shape, dtype),) = alike
     first = arrays[0]
-    if cls is not np.ndarray or not shape or dtype.kind in "OV" or first.nbytes >= _LARGE_BYTES:
+    dtype, shape = first.dtype, first.shape
+    if not shape or dtype.kind in "OV" or first.nbytes >= _LARGE_BYTES:
+        return None
+    n = len(arrays)
+    if not all(map(operator.is_, map(_get_dtype, arrays), itertools.repeat(dtype, n))):
+        return None
+    if not all(map(operator.eq, map(_get_shape, arrays), itertools.repeat(shape, n))):
         return None
     try:
         data = b"".join(arrays)
@@ -309,7 +329,7 @@ def _pack_alike(arrays: list[Any], alike: set[Any], np: Any) -> tuple[Any, Any] 
 
 def restore(taken_outs: list[Any], arrays: list[Any]) -> None:
     """Put back the arrays ``pack`` took off their outputs."""
-    list(map(setattr, taken_outs, itertools.repeat(_ROUTED, len(arrays)), arrays))
+    _consume(map(setattr, taken_outs, itertools.repeat(_ROUTED, len(arrays)), arrays))
 
 
 def unpack(got: Any) -> Any:
@@ -319,7 +339,9 @@ def unpack(got: Any) -> Any:
     from vllm.v1.engine import EngineCoreOutputs
 
     packed = got.packed_routed_experts
-    result = EngineCoreOutputs(*[getattr(got, name) for name in _types["fields"]])
+    values = [getattr(got, name) for name in _types["fields"]]
+    (values[0],) = values[0]  # engine_index, a 1-tuple in the packed form
+    result = EngineCoreOutputs(*values)
     if packed is None:
         return result
     counts, rows = packed
@@ -336,8 +358,8 @@ def unpack(got: Any) -> Any:
     if len(rows) == len(outputs) and bool((counts == 1).all()):
         # A decode step, one row each: iterating the array makes the views.
         views = rows.reshape(len(rows), 1, *rows.shape[1:])
-        copies = list(map(np.ndarray.copy, views))  # each output its own array
-        list(map(setattr, outputs, itertools.repeat(_ROUTED, len(copies)), copies))
+        copies = map(np.ndarray.copy, views)  # each output its own array
+        _consume(map(setattr, outputs, itertools.repeat(_ROUTED, len(rows)), copies))
         return result
     if len(counts) and int(counts.min()) < -1:
         raise ValueError(
@@ -419,11 +441,11 @@ def _encode_into(params: Mapping[str, Any]) -> Callable[[Callable[..., Any]], An
             if record is None or type(obj) is not EngineCoreOutputs:
                 return upstream(self, obj, buf)
             if not record.ready:
-                counters.upstream_steps["undeclared"] += 1
+                counters.add("upstream_steps", "undeclared")
                 return upstream(self, obj, buf)
             packed = pack(obj)
             if packed is None:
-                counters.upstream_steps["as_is"] += 1
+                counters.add("upstream_steps", "as_is")
                 return upstream(self, obj, buf)
             message, taken_outs, arrays = packed
             try:

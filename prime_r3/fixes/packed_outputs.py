@@ -81,11 +81,11 @@ import inspect
 import logging
 import sys
 import weakref
-from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from prime_r3 import state as prime_state
+from prime_r3.counts import Counts
 from prime_r3.fixes.aux_output import (
     AUX_REQUEST_OUTPUT,
     BEGIN_STEP,
@@ -131,8 +131,9 @@ def _pack_step_output(params: Mapping[str, Any]) -> WrapperFn:
     return pack_step_output
 
 
-class HandshakeCounters:
-    """EngineCore's declaration, per step: declared, or withheld and why.
+def handshake_counters() -> Counts:
+    """EngineCore's declaration, per step: ``declared_steps``, or ``withheld_steps`` and
+    why (``withheld_reasons``).
 
     Reasons: ``take_output`` (the scheduler connector's consumer is not upstream's
     ``take_output``, bare or under prime_r3's wrappers), ``engine_step`` (the EngineCore
@@ -140,32 +141,13 @@ class HandshakeCounters:
     own), ``update_from_output`` (the scheduler consuming the step, the engine's or with
     no engine the one calling ``build_connector_meta``, runs another
     ``update_from_output`` than vLLM's own ``Scheduler``'s), ``metadata`` (the metadata
-    object takes no attribute).
-    Plain increments: ``build_connector_meta`` runs on EngineCore's scheduler thread,
-    once per step. ``snapshot()`` is what tests and tools read.
+    object takes no attribute). Written on EngineCore's scheduler thread, once per
+    step (``build_connector_meta``); ``snapshot()`` is what tests and tools read.
     """
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.declared_steps = 0
-        self.withheld_steps = 0
-        self.withheld_reasons: Counter[str] = Counter()
-
-    def withheld(self, reason: str) -> None:
-        self.withheld_steps += 1
-        self.withheld_reasons[reason] += 1
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "declared_steps": self.declared_steps,
-            "withheld_steps": self.withheld_steps,
-            "withheld_reasons": dict(self.withheld_reasons),
-        }
+    return Counts("declared_steps", "withheld_steps", tallies=("withheld_reasons",))
 
 
-COUNTERS = HandshakeCounters()
+COUNTERS = handshake_counters()
 
 #: (reason, class) pairs already logged in this process: one warning each, not per step.
 _logged: set[tuple[str, str]] = set()
@@ -535,7 +517,7 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
             else:
                 counters.declared_steps += 1
                 return metadata
-        counters.withheld(reason)
+        counters.add("withheld_reasons", reason, total="withheld_steps")
         return metadata
 
     return declare_packed_reader

@@ -133,6 +133,5 @@ SPEC = PatchSpec(
     processes=frozenset({Process.API_SERVER}),
     targets=(Target(API_ROUTER, "JSONResponse", _JSON_RESPONSE, _json_response),),
     anchors=(Anchor(API_ROUTER, "generate", _GENERATE),),
-    diff_pending="upstream form (the route rendering routed experts once) not written yet",
     notes="Body byte-identical to upstream's render.",
 )

@@ -228,6 +228,5 @@ SPEC = PatchSpec(
         Anchor(OUTPUT_PROCESSOR, "OutputProcessor.process_outputs", _PROCESS_OUTPUTS),
         Anchor(OUTPUT_PROCESSOR, "OutputProcessor._trim_surplus_tokens", _TRIM, releases=">=0.32"),
     ),
-    diff_pending="upstream form (RequestState keeping one row buffer) not written yet",
     notes="Array equal to upstream's concatenation (dtype, shape, values), owning its data.",
 )

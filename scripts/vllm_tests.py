@@ -30,12 +30,17 @@ vLLM's own ``[tool.pytest.ini_options]`` applies, not prime_r3's.
 
 Which tests (``FILES``, ``MIXED``): every test of the files that exist for R3 / AuxOutput
 (the connector's store, the capture/worker connector, its config, the Ray executor's
-output detach, which copies the aux outputs), and, from the scheduler, async scheduler,
-output processor, request-bounds and detokenizer files, the tests whose own source names
-routed experts or aux outputs (found by parsing the file, so each release's additions
-are picked up). Those are the tests that drive the code the patches replace: the
-connector, its store, the worker's capture, the scheduler's aux-output handshake, and
-the output processor / Ray detach that consume the rows.
+output detach, which copies the aux outputs) and of the scale-out routers' file (the
+generate route's module, registered on a real app), and, from the scheduler, async
+scheduler, output processor, request-bounds, detokenizer and serial-utils files, the
+tests whose own source names routed experts, aux outputs or ``numpy2base64`` (found by
+parsing the file, so each release's additions are picked up). Those are the tests that
+drive the code the patches replace: the connector, its store, the worker's capture, the
+scheduler's aux-output handshake, the output processor / Ray detach that consume the
+rows, and the API server's encoding of them. The generate route's own tests
+(``tests/entrypoints/scale_out/token_in_token_out/``) are not in the set: they are
+asyncio tests (pytest-asyncio, which this env lacks) and those that return routed
+experts start a server on a hub model with a GPU.
 
 Conftest files: vLLM's ``tests/conftest.py`` imports the model-test stack (tblib,
 transformers' auto classes, PIL, the hub client), none of which these unit tests use, and
@@ -80,6 +85,9 @@ FILES = [
     "tests/distributed/aux_output_connector",
     "tests/model_executor/test_routed_experts_capture.py",
     "tests/v1/executor/test_ray_utils.py",
+    # The scale-out routers: the generate route's module (api_router.py, 14's file) is
+    # imported and its routes registered and validated on a real FastAPI app.
+    "tests/entrypoints/scale_out/test_factories.py",
 ]
 #: files mixing R3 tests with others: only tests whose source matches ``_R3``
 MIXED = [
@@ -89,9 +97,13 @@ MIXED = [
     "tests/v1/streaming_input/test_scheduler_streaming.py",
     "tests/test_request_input_bounds.py",
     "tests/detokenizer/test_stop_string_while_stop_model_terminates.py",
+    "tests/utils_/test_serial_utils.py",
 ]
+#: what a chosen test's source names: routed experts, aux outputs, or the function that
+#: encodes the routed experts of a response (numpy2base64, 13's)
 _R3 = re.compile(
-    r"\b(routed_experts\w*|return_routed_experts|aux_output\w*|AuxOutput\w*|RoutedExperts\w*)"
+    r"\b(routed_experts\w*|return_routed_experts|aux_output\w*|AuxOutput\w*|RoutedExperts\w*"
+    r"|numpy2base64)"
 )
 
 _HUB = (

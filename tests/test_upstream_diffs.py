@@ -2,12 +2,12 @@
 
 What each release expects (``EXPECTED``): 0.31.0 and 0.32.0 carry one diff per registry
 patch that has one (the six fixes, batched_commit and batched_begin, whose diffs hold
-the output worker's request state in arrays, and batched_meta); 0.33.0 carries
-engine_gc, packed_outputs, batched_commit, batched_begin, batched_meta and store_arena,
-because the other store patches are fixed upstream there (the registry says so, and a
-test ties the two). The API server's response patches have no diff yet (``PENDING``;
-their records' ``diff_pending`` say why). batched_take has no diff of its own: packed_outputs'
-diff carries its upstream form (``CARRIED``, the record's ``diff_in``).
+the output worker's request state in arrays, batched_meta, and the API server's
+response_rows, response_b64 and response_json); 0.33.0 carries the same but the store
+patches 03-05, fixed upstream there (the registry says so, and a test ties the two). No
+patch is without a diff today (``PENDING``; a record's ``diff_pending`` would say why).
+batched_take and packed_hop have no diff of their own: packed_outputs' diff carries
+their upstream form (``CARRIED``, the record's ``diff_in``).
 
 The parity tests build one patched copy of the installed ``vllm`` package per session
 (hard links, patched files copied; ``scripts/patches.py apply``), then run
@@ -47,6 +47,9 @@ ALL = [
     "batched_begin",
     "batched_meta",
     "store_arena",
+    "response_rows",
+    "response_b64",
+    "response_json",
 ]
 EXPECTED = {
     "0.31.0": ALL,
@@ -58,6 +61,9 @@ EXPECTED = {
         "batched_begin",
         "batched_meta",
         "store_arena",
+        "response_rows",
+        "response_b64",
+        "response_json",
     ],
 }
 SCENARIO_TIMEOUT = 900
@@ -105,14 +111,9 @@ def test_one_diff_per_applicable_registry_patch(release: str) -> None:
 
 
 #: Registry patches with no diff yet, per release (their record's ``diff_pending`` says
-#: why): the API server's response patches (issue 26), overlay-only so far
-#: (batched_commit/batched_begin were pending on 0.33.0 until ported).
-_FRONT_END = ["response_rows", "response_b64", "response_json"]
-PENDING: dict[str, list[str]] = {
-    "0.31.0": _FRONT_END,
-    "0.32.0": _FRONT_END,
-    "0.33.0": _FRONT_END,
-}
+#: why): none today (batched_commit/batched_begin were pending on 0.33.0 until ported,
+#: the API server's response patches until 12-14 were written).
+PENDING: dict[str, list[str]] = {release: [] for release in EXPECTED}
 #: Registry patches whose upstream form is part of another patch's diff (``diff_in``).
 CARRIED = {"batched_take": "packed_outputs", "packed_hop": "packed_outputs"}
 REGISTRY_BY_NAME = {spec.name: spec for spec in REGISTRY}
@@ -176,9 +177,8 @@ def test_a_diff_pending_for_one_release_only_is_reported_there(
         for spec in REGISTRY
     )
     monkeypatch.setattr(prime_r3.patches, "REGISTRY", registry)
-    front_end = {name: REGISTRY_BY_NAME[name].diff_pending for name in _FRONT_END}
-    assert patches.registry_pending("0.33.0") == {"batched_commit": reason, **front_end}
-    assert patches.registry_pending("0.32.0") == front_end
+    assert patches.registry_pending("0.33.0") == {"batched_commit": reason}
+    assert patches.registry_pending("0.32.0") == {}
     problems = patches.registry_mismatch("0.33.0", patches.series("0.33.0"))
     assert problems == [
         f"diff 06-batched_commit.patch exists but the registry says it has none yet: {reason}"
@@ -349,11 +349,32 @@ def test_check_cli_on_the_installed_tree() -> None:
 # -- changes to vLLM's own tests, carried in the diffs --------------------------------------
 
 #: diff -> the vLLM test files it changes, per release: 06 changes the line of
-#: test_store.py's _make_worker that builds the worker's request state by hand.
+#: test_store.py's _make_worker that builds the worker's request state by hand; 12 the
+#: lines of test_output_processor.py that build a RequestState's routed experts by hand
+#: (``__new__``, then ``routed_experts_chunks = []``) or append to them.
 TEST_CHANGES = {
-    release: {"batched_commit": ["tests/distributed/aux_output_connector/test_store.py"]}
+    release: {
+        "batched_commit": ["tests/distributed/aux_output_connector/test_store.py"],
+        "response_rows": ["tests/v1/engine/test_output_processor.py"],
+    }
     for release in EXPECTED
 }
+#: 12's test lines: the import, each hand-built state (one in 0.31's tests, three
+#: later), then the two appends of test_routed_experts_are_accumulated_until_finish.
+_ROWS_BUILT = [
+    "-    state.routed_experts_chunks = []",
+    "+    state.routed_experts_rows = RoutedExpertsRows()",
+]
+_ROWS_APPENDS = [
+    f"{sign}    state.routed_experts_{name}.append({chunk}_chunk)"
+    for chunk in ("prompt", "decode")
+    for sign, name in (("-", "chunks"), ("+", "rows"))
+]
+ROWS_TEST_LINES = {
+    "0.31.0": ["+    RoutedExpertsRows,", *_ROWS_BUILT, *_ROWS_APPENDS],
+    "0.32.0": ["+    RoutedExpertsRows,", *_ROWS_BUILT * 2, *_ROWS_APPENDS, *_ROWS_BUILT],
+}
+ROWS_TEST_LINES["0.33.0"] = ROWS_TEST_LINES["0.32.0"]
 
 
 def _test_lines(diff: Any) -> list[str]:
@@ -380,12 +401,13 @@ def test_test_changes_are_named_and_loosen_no_assertion(release: str) -> None:
                 diff.name,
                 line,
             )
-    (commit,) = [d for d in diffs if d.test_files]
-    assert _test_lines(commit) == [
+    by_name = {d.name: d for d in diffs}
+    assert _test_lines(by_name["batched_commit"]) == [
         "+    _WorkerRequests,",
         "-    worker._requests = {}",
         "+    worker._requests = _WorkerRequests()",
     ]
+    assert _test_lines(by_name["response_rows"]) == ROWS_TEST_LINES[release]
 
 
 def test_the_installed_tree_ignores_a_diffs_test_part() -> None:

@@ -212,6 +212,5 @@ SPEC = PatchSpec(
         Anchor(NUMPY_FORMAT, "_write_array_header", _WRITE_ARRAY_HEADER),
         Anchor(NUMPY_FORMAT, "header_data_from_array_1_0", _HEADER_DATA),
     ),
-    diff_pending="upstream form (numpy2base64: header + data in one buffer) not written yet",
     notes="String identical to upstream's (base64 of the same .npy bytes).",
 )

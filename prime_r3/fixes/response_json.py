@@ -224,6 +224,5 @@ SPEC = PatchSpec(
         Anchor(STARLETTE, "Response.__call__", _RESPONSE_CALL),
         Anchor(STARLETTE, "Response.init_headers", _INIT_HEADERS),
     ),
-    diff_pending="upstream form (the route rendering routed experts once) not written yet",
     notes="Body byte-identical to upstream's render.",
 )

@@ -317,6 +317,5 @@ SPEC = PatchSpec(
         Anchor(OUTPUT_PROCESSOR, "OutputProcessor._trim_surplus_tokens", _TRIM, releases=">=0.32"),
     ),
     on_revert=_spill_live,
-    diff_pending="upstream form (RequestState keeping one row buffer) not written yet",
-    notes="Array equal to upstream's concatenation (dtype, shape, values), owning its data.",
+    notes="Array equal to upstream's concatenation (dtype, shape, values, C order, writeable).",
 )

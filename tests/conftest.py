@@ -26,3 +26,13 @@ def reverted(clean_env: pytest.MonkeyPatch):  # noqa: ANN201
     prime_r3.revert()
     yield clean_env
     prime_r3.revert()
+
+
+@pytest.fixture(scope="session")
+def upstream_parity_wave(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The front-end parity wave served by the installed release, ``PRIME_R3=0``: run once
+    for ``test_front_end_parity`` (against the overlay) and ``test_front_end_diffs``
+    (against the patched tree)."""
+    from tests.test_front_end_parity import run_parity_wave
+
+    return run_parity_wave("upstream", tmp_path_factory.mktemp("wave_upstream"))

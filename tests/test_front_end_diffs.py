@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from prime_r3.bench import wave
-from tests.test_front_end_parity import SHAPE, _bodies, _routed_experts, _stream_content
+from tests.test_front_end_parity import SHAPE, _routed_experts, _stream_content, run_parity_wave
 from tests.test_upstream_diffs import RELEASE, ROOT, SITE, patches
 
 ADDED = ("RoutedExpertsRows", "_routed_experts_base64", "GenerateJSONResponse")
@@ -123,7 +123,9 @@ def test_generate_bodies_are_upstreams(runs: tuple[dict, dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def waves(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def waves(
+    tree: Path, upstream_parity_wave: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     """The parity wave, served by the installed release and by the patched tree."""
     extra = {"PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)])}
     probe = subprocess.run(
@@ -134,23 +136,8 @@ def waves(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
         check=True,
     )
     assert Path(probe.stdout.strip()).is_relative_to(tree), probe.stdout
-    runs = {}
-    for arm, env_extra in (("upstream", None), ("diffs", extra)):
-        work = tmp_path_factory.mktemp(f"wave_{arm}")
-        bodies = work / "bodies"
-        bodies.mkdir()
-        summary = wave.run_arm(
-            "upstream",
-            SHAPE,
-            stream=False,
-            timeout=240,
-            step_ms=0.0,
-            workdir=str(work),
-            bodies=str(bodies),
-            env_extra=env_extra,
-        )
-        runs[arm] = {"summary": summary, "bodies": _bodies(bodies)}
-    return runs
+    diffs = run_parity_wave("upstream", tmp_path_factory.mktemp("wave_diffs"), extra)
+    return {"upstream": upstream_parity_wave, "diffs": diffs}
 
 
 def test_wave_bodies_of_the_patched_server_are_upstreams(waves: dict[str, Any]) -> None:

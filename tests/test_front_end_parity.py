@@ -38,24 +38,31 @@ def _bodies(directory: Path) -> dict[int, bytes]:
     return {int(p.stem): p.read_bytes() for p in directory.glob("*.body")}
 
 
+def run_parity_wave(
+    arm: str, work: Path, env_extra: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """One arm of the parity wave (``SHAPE``), every body kept."""
+    bodies = work / "bodies"
+    bodies.mkdir()
+    summary = wave.run_arm(
+        arm,
+        SHAPE,
+        stream=False,
+        timeout=240,
+        step_ms=0.0,
+        workdir=str(work),
+        bodies=str(bodies),
+        env_extra=env_extra,
+    )
+    return {"summary": summary, "bodies": _bodies(bodies)}
+
+
 @pytest.fixture(scope="module")
-def waves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    runs = {}
-    for arm in ("upstream", "prime"):
-        work = tmp_path_factory.mktemp(f"wave_{arm}")
-        bodies = work / "bodies"
-        bodies.mkdir()
-        summary = wave.run_arm(
-            arm,
-            SHAPE,
-            stream=False,
-            timeout=240,
-            step_ms=0.0,
-            workdir=str(work),
-            bodies=str(bodies),
-        )
-        runs[arm] = {"summary": summary, "bodies": _bodies(bodies)}
-    return runs
+def waves(
+    upstream_parity_wave: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    prime = run_parity_wave("prime", tmp_path_factory.mktemp("wave_prime"))
+    return {"upstream": upstream_parity_wave, "prime": prime}
 
 
 def _routed_experts(body: bytes, streaming: bool) -> dict[int, np.ndarray]:

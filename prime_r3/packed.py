@@ -348,6 +348,24 @@ class PackedAuxOutputs(dict[str, "AuxRequestOutput"]):
         return self.__reduce_ex__(2)
 
 
+def pack_reference(outputs: Mapping[str, Any]) -> _Packed:
+    """The reference form of ``_pack``: upstream's dict walked in order, one request at a
+    time: its id, its ``token_start`` as an int64, its row count, and its rows appended
+    (``np.concatenate`` of the values' rows). ``_pack``'s gather from ``StepRows`` and its
+    column passes give the same arrays (the tests hold them equal)."""
+    ids: list[str] = []
+    starts: list[int] = []
+    offsets = [0]
+    pieces: list[np.ndarray] = []
+    for request_id, output in outputs.items():
+        ids.append(request_id)
+        starts.append(int(output.token_start))
+        offsets.append(offsets[-1] + len(output.rows))
+        pieces.append(output.rows)
+    rows = np.concatenate(pieces, axis=0) if pieces else np.empty(0, dtype=np.uint8)
+    return _Packed(ids, np.array(starts, np.int64), np.array(offsets, np.int64), rows)
+
+
 def _pack(ids: list[str], values: list[Any], step: StepRows | None) -> _Packed:
     """Copy a step's rows into one array, keeping dict order.
 

@@ -16,13 +16,15 @@ of ``prime-r3 bench``'s multi-token requests are; every patch applied, packed st
 declared; then ``--flush-mb`` written, so the step reads upstream's per-request objects
 from memory, not from a cache the setup just filled (the engine runs a whole model step
 between two commits). Arms: ``new`` (this working tree), ``before`` and ``before_again`` (the
-decode selection, ``batched_commit._select``, of git revision ``--before``: its
+``_commit_output`` wrapper of git revision ``--before``: its
 ``prime_r3/fixes/batched_commit.py`` is exported as ``benchkit.export_revision`` exports a
-revision and loaded beside this tree's under another module name, and its ``_select``
-is swapped in for the arm; everything else is this tree's). With ``--history``, also
-``no_multi`` (multi-token requests forced to upstream's ``_commit_output``, as before
-the multi-token path) and ``no_cache`` (``state.wrapped_by`` walked every step, as
-before the cache). Printed: medians of main-thread CPU per step (us) and the median of
+revision and loaded beside this tree's under another module name, and the wrapper its
+``_batched_commit`` builds is the one the arm's connector calls, over upstream's
+``_commit_output``; everything else is this tree's). Each arm's connector calls its
+wrapper through an instance attribute, the same call for every arm. With ``--history``,
+also ``no_multi`` (multi-token requests forced to upstream's ``_commit_output``, as
+before the multi-token path) and ``no_cache`` (``state.wrapped_by`` walked every step,
+as before the cache). Printed: medians of main-thread CPU per step (us) and the median of
 the per-iteration ratio to ``before``.
 """
 
@@ -38,7 +40,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
+from types import MethodType, ModuleType
 from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -186,8 +188,17 @@ def main() -> None:
     keys = [f"vllm-artifact/0/{h.hex()}" for h in hashes]
     block_nbytes = BLOCK * int(np.prod(TOKEN_SHAPE))
 
+    upstream_commit = harness.upstream("_commit_output")
+    current: dict[str, Any] = {}
+
     def setup() -> tuple[Any, Any]:
         connector = harness.make_connector(shape, reference=False)
+        inner = MethodType(upstream_commit, connector)
+
+        def commit_output(pending: Any) -> Any:  # the arm's wrapper, as the layer calls it
+            return current["wrapper"](inner, connector, (pending,), {})
+
+        connector._commit_output = commit_output
         ids = [f"d{i}" for i in range(n)]
         starts = [600 + i for i in range(n)]
         metadata = AuxOutputConnectorMetadata(
@@ -226,8 +237,9 @@ def main() -> None:
         return connector, pending
 
     with tempfile.TemporaryDirectory(prefix="prime_r3_before_") as into:
-        before = load_revision(args.before, "batched_commit", into)._select
-    select, select_multi = batched_commit._select, batched_commit._select_multi
+        before = load_revision(args.before, "batched_commit", into)._batched_commit({})
+    new = batched_commit._batched_commit({})
+    select_multi = batched_commit._select_multi
     cached_answer = batched_commit._PACKING_WRAPS.packed
 
     def no_multi(connector: Any, ids: Any, positions: list[int], *rest: Any) -> Any:
@@ -239,17 +251,17 @@ def main() -> None:
         return "packed_outputs" in state.wrapped_by(attr)
 
     arms = {
-        "new": (select, select_multi, cached_answer),
+        "new": (new, select_multi, cached_answer),
         "before": (before, select_multi, cached_answer),
         "before_again": (before, select_multi, cached_answer),
     }
     if args.history:
-        arms["no_multi"] = (select, no_multi, cached_answer)
-        arms["no_cache"] = (select, select_multi, walked)
+        arms["no_multi"] = (new, no_multi, cached_answer)
+        arms["no_cache"] = (new, select_multi, walked)
 
     def swap(arm: Any) -> None:
         (
-            batched_commit._select,
+            current["wrapper"],
             batched_commit._select_multi,
             batched_commit._PACKING_WRAPS.packed,
         ) = arm

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import pickle
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from types import MethodType
@@ -309,6 +310,16 @@ def worker_state(connector: Any) -> tuple[Any, ...]:
         sorted((slot, buffer._rows[slot].tobytes()) for slot in buffer._owned_slots.values()),
         len(connector._pending_outputs),
     )
+
+
+def pickled_state(connector: Any) -> tuple[dict[Any, bytes], dict[Any, bytes]]:
+    """Each request's ``_WorkerRequestState`` and each buffered tail, pickled one by one:
+    equal bytes mean equal values of the same types (a cursor upstream leaves as a numpy
+    scalar is not a Python int), sharing the same objects within the state (capture and
+    emit cursor are one ``token_end`` upstream). Upstream's objects only (dict-held)."""
+    states = {rid: pickle.dumps(state) for rid, state in connector._requests.items()}
+    tails = {rid: pickle.dumps(tail) for rid, tail in connector._buffer._requests.items()}
+    return states, tails
 
 
 def output_state(output: Any) -> Any:
@@ -615,6 +626,10 @@ class Episode:
     #: the harness doing prepare_output's bookkeeping on upstream's state objects.
     real_prepare = False
 
+    #: Compare the pickled worker states, tails and (unpacked) step outputs too: upstream's
+    #: types and object sharing, not only equal values (both sides hold upstream's objects).
+    compare_pickles = True
+
     def _prepare(
         self, connector: Any, items: list, rows: np.ndarray, sampled: Any, rejected: Any
     ) -> Any:
@@ -769,6 +784,10 @@ class Episode:
             item = (outputs["upstream"] or {}).get(request.request_id)
             self.seen["emit_from_store_or_buffer"] += item is not None and item.token_start < start
         assert got["upstream"] == got["patched"], f"step {self.steps}: outputs differ"
+        if self.compare_pickles and type(outputs["patched"]) is dict:  # not a packed step
+            assert pickle.dumps(outputs["upstream"]) == pickle.dumps(outputs["patched"]), (
+                f"step {self.steps}: pickled outputs differ"
+            )
         for request in takers:
             if request.finished and request.request_id in self.requests:
                 self.seen["finished_in_flight"] += request.request_id in {
@@ -787,6 +806,8 @@ class Episode:
     def _compare_state(self) -> None:
         up, ours = (self.sides[name] for name in ("upstream", "patched"))
         assert worker_state(up) == worker_state(ours), f"step {self.steps}: worker state differs"
+        if self.compare_pickles:
+            assert pickled_state(up) == pickled_state(ours), f"step {self.steps}: types differ"
         assert store_calls(up) == store_calls(ours), f"step {self.steps}: store calls differ"
         assert store_state(up) == store_state(ours), f"step {self.steps}: store differs"
         self.checks += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -664,37 +665,62 @@ def test_a_decode_on_a_tail_upstream_refuses_goes_to_upstream(
     assert batched_commit.COUNTERS.snapshot()["fallback_reasons"] == {"tail": 1}
 
 
-def _failing_step(reference: bool) -> tuple[Any, Any]:
-    """A request "X" whose capture upstream refuses (an unbacked gap: capture cursor 2,
-    nothing scheduled past it, token start 5) ahead of a plain decode "D": (the error,
-    the worker state after process_output raised)."""
+def _failing_step(reference: bool, raising: str) -> tuple[Any, Any, Any]:
+    """A step "A B X D P": decodes "A" (fast) and "B" (a re-attach: upstream's), then
+    "X", a request upstream's loop refuses, then a decode "D" and a 6-token chunk "P"
+    the fast paths would commit. ``raising``: "decode" (capture cursor 2, nothing
+    scheduled past it, token start 5: an unbacked gap) or "prefill" (a 2-token chunk at
+    5 with tokens 0-1 buffered: not contiguous). Returns (the error, the worker state
+    and the buffer's free list after process_output raised)."""
     connector = harness.make_connector(harness.Shape(block=4), reference)
     state = aux_worker._WorkerRequestState
+    buffer = connector._buffer
+    for request_id, start in (("A", 4), ("D", 8), ("P", 0)):
+        connector._requests[request_id] = state(
+            capture_cursor=start if start else None,
+            scheduled_cursor=start,
+            emit_cursor=start,
+            pending_outputs=1,
+        )
+    connector._requests["B"] = state(
+        capture_cursor=5, scheduled_cursor=7, emit_cursor=5, pending_outputs=1
+    )
+    buffer.capture("B", 4, np.ones((1, 3, 2), np.uint16))
     connector._requests["X"] = state(
         capture_cursor=2, scheduled_cursor=2, emit_cursor=2, pending_outputs=1
     )
-    connector._requests["D"] = state(
-        capture_cursor=4, scheduled_cursor=4, emit_cursor=4, pending_outputs=1
-    )
-    rows = np.arange(2 * 6, dtype=np.uint16).reshape(2, 3, 2)
-    pending = _decode_pending(connector, ["X", "D"], [5, 4], [0, 1, 2], rows)
-    return _process_and_close(connector, pending)
+    if raising == "prefill":
+        connector._requests["X"].scheduled_cursor = 5
+        connector._requests["X"].capture_cursor = 5
+        buffer.capture("X", 0, np.ones((2, 3, 2), np.uint16))
+    sizes = [1, 1, 1 if raising == "decode" else 2, 1, 6]
+    qsl = np.concatenate(([0], np.cumsum(sizes))).tolist()
+    rows = np.arange(qsl[-1] * 6, dtype=np.uint16).reshape(qsl[-1], 3, 2)
+    pending = _decode_pending(connector, ["A", "B", "X", "D", "P"], [4, 6, 5, 8, 0], qsl, rows)
+    error, worker = _process_and_close(connector, pending)
+    return error, worker[1], worker[3:5]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reproducer (review): when upstream's loop asserts on a request, the fast "
-    "requests after it in batch order are already committed here (upstream leaves them "
-    "untouched); the worker is dead after the error either way. Not fixed: fixing it "
-    "means committing nothing fast after the first fallback request.",
-)
+@pytest.mark.parametrize("raising", ["decode", "prefill"])
 def test_an_assertion_leaves_later_requests_as_upstream_does(
-    reverted: pytest.MonkeyPatch,
+    reverted: pytest.MonkeyPatch, raising: str
 ) -> None:
-    expected = _failing_step(reference=True)
-    assert expected[0] is not None and "unbacked token gap" in expected[0][1]
+    """Upstream's loop commits the requests ahead of the one it raises on and leaves
+    those after it untouched. The fast paths committed every fast request before
+    upstream's loop ran, so "D" (a decode) and "P" (a chunk) after the raising "X" had
+    moved cursors, grown tails and taken buffer slots where upstream's had not (pinned
+    by a strict xfail until the fix: the first request upstream raises on, and all
+    after it, now go to upstream's loop)."""
+    expected = _failing_step(reference=True, raising=raising)
+    message = {"decode": "unbacked token gap", "prefill": "skipped an incomplete block"}[raising]
+    assert expected[0] is not None and message in expected[0][1], expected
+    assert expected[1]["D"][2] == 8 and expected[1]["A"][2] == 5  # D untouched, A done
     _apply("batched_commit")
-    assert _failing_step(reference=False) == expected
+    batched_commit.COUNTERS.reset()
+    assert _failing_step(reference=False, raising=raising) == expected
+    counts = batched_commit.COUNTERS.snapshot()
+    assert counts["fast_requests"] == 1, counts  # A
+    assert counts["fallback_reasons"][batched_commit.UPSTREAM_RAISES] == 2, counts  # D, P
 
 
 def _waiting_block_step(reference: bool) -> tuple[Any, ...]:
@@ -1075,3 +1101,44 @@ def test_fallback_outputs_are_views_of_the_step_as_upstreams_are(
     assert results[False] == results[True]
     assert all(results[True][1].values()), results[True]
     assert batched_commit.COUNTERS.snapshot()["fast_requests"] == 1
+
+
+def _two_decode_steps(reference: bool) -> tuple[list[bytes], Any]:
+    """Two decode steps of "a" (mid-block) and "b" (a new block), then a 2-token chunk of
+    "c" (first capture): each step's output pickled (what the worker sends EngineCore
+    without packed_outputs), then the worker's states and tails pickled one by one."""
+    connector = harness.make_connector(harness.Shape(block=4), reference)
+    state = aux_worker._WorkerRequestState
+    connector._requests["a"] = state(capture_cursor=5, scheduled_cursor=5, emit_cursor=5)
+    connector._requests["b"] = state(capture_cursor=8, scheduled_cursor=8, emit_cursor=8)
+    connector._requests["c"] = state(emit_cursor=0)
+    connector._buffer.capture("a", 4, np.ones((1, 3, 2), np.uint16))
+    pickled = []
+    for step in range(2):
+        rows = np.arange(4 * 6, dtype=np.uint16).reshape(4, 3, 2) + step
+        ids, starts, qsl = ["a", "b"], [5 + step, 8 + step], [0, 1, 2]
+        if step:
+            ids, starts, qsl = [*ids, "c"], [*starts, 0], [*qsl, 4]
+        pending = _decode_pending(connector, ids, starts, qsl, rows)
+        for request_id in ids:
+            connector._requests[request_id].pending_outputs += 1
+        connector._pending_outputs.append(pending)
+        pickled.append(pickle.dumps(connector.process_output(pending)))
+    result = pickled, harness.pickled_state(connector)
+    connector.close()
+    return result
+
+
+def test_the_fast_path_writes_upstreams_types(reverted: pytest.MonkeyPatch) -> None:
+    """Upstream's loop leaves numpy scalars of the runner's int32 arrays in the cursors
+    (``token_start + len(rows)``; scheduled: ``token_start + (end - start)``), in a new
+    tail's block start and in each output's ``token_start`` (the emit cursor it
+    replaces); the fast paths wrote Python ints. Values were equal, but a pickled step
+    was another (issue 27, item 5: 314 vs 408 bytes), and so were pickled states."""
+    expected = _two_decode_steps(reference=True)
+    _apply("batched_commit")
+    batched_commit.COUNTERS.reset()
+    got = _two_decode_steps(reference=False)
+    assert batched_commit.COUNTERS.snapshot()["fast_requests"] == 5  # all of them
+    assert [len(step) for step in got[0]] == [len(step) for step in expected[0]]
+    assert got == expected

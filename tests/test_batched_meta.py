@@ -28,6 +28,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import time  # noqa: E402
+from collections import Counter  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -620,3 +621,36 @@ def test_a_malformed_step_gets_upstreams_error(reverted: pytest.MonkeyPatch) -> 
     patched = AuxOutputSchedulerConnector.build_connector_meta
     assert _outcome(patched, _connector_copy(connector, {}), scheduler_output, requests) == expected
     assert batched_meta.COUNTERS.snapshot()["fallback_reasons"] == {"step": 1}
+
+
+def test_the_scan_equals_its_reference_form(
+    reverted: pytest.MonkeyPatch, small_batches: None
+) -> None:
+    """On every step of the episodes, the lean scan's fast requests and their emit starts
+    are those of ``scan_reference``: upstream's loop, read-only, on the same objects,
+    with upstream's emit-start formula (``emit_start_reference``) for the fast ones."""
+    from prime_r3 import fingerprint
+
+    variant = fingerprint.of_name(
+        batched_meta._CONNECTOR, "AuxOutputSchedulerConnector.build_connector_meta"
+    )
+    compared: Counter[str] = Counter()
+
+    def checking(scan: Any) -> Any:
+        def check(connector: Any, num_scheduled: Any, requests: Any) -> Any:
+            values, slow, reasons = scan(connector, num_scheduled, requests)
+            expected = batched_meta.scan_reference(connector, num_scheduled, requests, variant)
+            assert (values, slow) == expected
+            compared["fast"] += len(values) - len(slow)
+            compared["slow"] += len(slow)
+            return values, slow, reasons
+
+        return check
+
+    for name in ("_scan_031", "_scan_032", "_scan_033"):
+        reverted.setattr(batched_meta, name, checking(getattr(batched_meta, name)))
+    report = prime_r3.apply(["batched_meta"], log=False)
+    assert report.outcome("batched_meta").state == "applied", report.summary()
+    for seed in range(3):
+        run(seed)
+    assert compared["fast"] > compared["slow"] > 0, compared

@@ -602,3 +602,32 @@ def test_bench_packing_take_arms_read_the_index_batched_take_builds(
         places = step._index
         assert all(places[r.request_id][2] is h for r, h in zip(requests, handed, strict=True))
     prime_r3.revert(["batched_take"])
+
+
+def test_the_fast_take_equals_its_reference_form(
+    reverted: pytest.MonkeyPatch, transport: Callable[[Any], Any]
+) -> None:
+    """Each request's fast take is ``take_reference`` (upstream's ``take_output`` body on
+    the received packed step's own arrays, read-only, computed before the first take):
+    the same rows where the reference has an answer; where it has none, the call goes to
+    upstream (counted as a fallback), whose answer or error is upstream's."""
+    _apply("packed_outputs", "batched_take")
+    outputs, requests = make_step(np.random.default_rng(11), 300)
+    ours = transport(PackedAuxOutputs.pack(outputs))
+    assert type(ours) is _Unfilled
+    packed = ours._packed
+    expected = [batched_take.take_reference(request, packed) for request in requests]
+    expected_bytes = [None if e is None else (e.dtype.str, e.shape, e.tobytes()) for e in expected]
+    take = scheduler_take()
+    batched_take.COUNTERS.reset()
+    served = [(r, e) for r, e in zip(requests, expected_bytes, strict=True) if e is not None]
+    for request, rows in served:
+        got = take(request, ours)
+        assert (got.dtype.str, got.shape, got.tobytes()) == rows
+    assert batched_take.COUNTERS.snapshot()["fast_requests"] == len(served) > 100
+    others = [r for r, e in zip(requests, expected_bytes, strict=True) if e is None]
+    assert others
+    for request in others:  # each on a fresh step: a fallback fills the step it reads
+        before = batched_take.COUNTERS.snapshot()["fallback_requests"]
+        result(take, request, transport(PackedAuxOutputs.pack(outputs)))
+        assert batched_take.COUNTERS.snapshot()["fallback_requests"] == before + 1

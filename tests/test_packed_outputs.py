@@ -701,6 +701,12 @@ def test_gather_agrees_with_concatenate(seed: int, source_kind: str) -> None:
     ours = PackedAuxOutputs.pack(outputs, step)
     for name in ("rows", "offsets", "token_starts"):
         assert np.array_equal(getattr(ours, name), getattr(reference, name))
+    # ... and both are the plain loop over upstream's dict (packed.pack_reference).
+    plain = packed_module.pack_reference(outputs)
+    assert ours.packed().ids == plain.ids == list(outputs)
+    for got, expected in zip(ours.packed()[1:], plain[1:], strict=True):
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        assert got.tobytes() == expected.tobytes()
     assert ours.rows.flags.owndata and not np.shares_memory(ours.rows, step.routed_experts)
     assert_parity(outputs, ours, requests)
     assert_parity(outputs, pickle.loads(pickle.dumps(ours, protocol=5)), requests)

@@ -16,34 +16,44 @@ We wrap ``_commit_output``. The *fast* requests of a step are the common decode 
   block (hash block size > 1, a free buffer slot).
 
 For those, upstream's effects are reproduced on upstream's own objects: the cursors
-(``capture_cursor = scheduled_cursor = emit_cursor = start + 1``), the tail's length,
-one vectorised row write into the buffer's slots, completion of a full tail exactly as
-``capture`` does it (the slot moves to ``_owned_slots`` under the block view's id), and
-publication through upstream's ``_publish_blocks`` with the same ``(state, completed)``
-pairs, in batch order. The step's output is built directly from the snapshot: one
-``take`` of the fast rows into a ``PackedAuxOutputs`` when ``packed_outputs`` is in
-force in this process, else upstream's dict of ``AuxRequestOutput`` views.
+(capture and emit cursor one ``start + 1`` object, the scheduled cursor another, each
+of the type upstream's arithmetic on the runner's arrays gives: ``_CursorTypes``), the
+tail's length grown from its own value, one vectorised row write into the buffer's
+slots, completion of a full tail exactly as ``capture`` does it (the slot moves to
+``_owned_slots`` under the block view's id), and publication through upstream's
+``_publish_blocks`` with the same ``(state, completed)`` pairs, in batch order. The
+step's output is built directly from the snapshot: one ``take`` of the fast rows into a
+``PackedAuxOutputs`` when ``packed_outputs`` is in force in this process, else
+upstream's dict of ``AuxRequestOutput`` views, each starting at the emit cursor object
+it replaced. ``select_reference`` is the plain form of which decodes are fast.
 
 Multi-token requests (prefill chunks, drafts with nothing rejected) whose capture is
 plain are fast too (``_select_multi``: first capture or cursor at the token start, the
-rows continue the buffered tail or start aligned, a free slot): upstream's ``capture``
-and loop body done on its objects, full blocks as views of the snapshot, and an output
-read back from the store/tail after the step's one publication (a prefix hit) only when
-no request of the step goes to upstream, so every read-back is in upstream's order.
+rows continue the buffered tail or start aligned, a free slot): upstream's loop body on
+its objects, calling the buffer's own (upstream's) ``capture``, and an output read back
+from the store/tail after the step's one publication (a prefix hit) only when no
+request of the step goes to upstream, so every read-back is in upstream's order.
 
 Every other request of the step (speculative-decode rejected suffixes, capture
 rewinds, one-token emits from the store, first one-token captures, gaps upstream
 asserts on, ...) goes through upstream's ``_commit_output`` itself, in the same step, on a
-``PendingAuxOutput`` holding just those requests (``dataclasses.replace``; its rows are
-a view of the snapshot when they are contiguous, else one gather). A step that does not
-look like upstream's contract at all (mismatched lengths, duplicate ids, a token count
-out of range, float token starts or bounds, a different row profile) goes to upstream
-whole, so upstream raises; so does a step with fewer free buffer slots than requests
-(where upstream may assert "pool is exhausted": at the request it would), a step whose
-ids are not a list (counted once: nothing of it is read before upstream), and a step
-whose buffer's ``capture`` is not upstream's (a subclass's, one set on the instance, a
-wrapper added after apply: counted as ``capture_overridden``), since upstream's loop
-calls ``capture`` through the object and the fast path does what upstream's does.
+``PendingAuxOutput`` holding just those requests (``dataclasses.replace``, arrays of the
+step's own dtypes; its rows are a view of the snapshot when they are contiguous, else
+one gather). So does every request from the first one upstream's loop raises on
+(``upstream_raises``: the state lookup, the cursor assertions and ``capture``'s checks,
+read-only) to the end of the step: upstream then raises there, having committed the
+requests before it and none after it, as its own loop does. A step that does not look
+like upstream's contract at all (mismatched lengths, duplicate ids, a token count out of
+range, float token starts or bounds, token starts or bounds that are not numpy arrays,
+a different row profile) goes to upstream whole, so upstream raises; so does a step
+with fewer free buffer slots than requests (where upstream may assert "pool is
+exhausted": at the request it would), a step whose ids are not a list (counted once:
+nothing of it is read before upstream), a step with no fast decode ahead of the first
+request upstream raises on,
+and a step whose buffer's ``capture`` is not upstream's (a subclass's, one set on the
+instance, a wrapper added after apply: counted as ``capture_overridden``), since
+upstream's loop calls ``capture`` through the object and the fast path does what
+upstream's does.
 
 Differences from upstream, and why they are not observable:
 
@@ -52,24 +62,14 @@ Differences from upstream, and why they are not observable:
   before any emit reads the store. With fallback requests in the step, the fast
   requests' ``(state, completed)`` pairs are merged into the fallback's own single
   ``_publish_blocks`` call, in batch order (``_one_publication``): the same one put.
-  (An earlier version published the fast blocks in a put of their own first; a review
-  found a key completed by a fast and a fallback request in one step then kept the
-  fast one's rows, and a later prefix hit emitted them.)
 * Dict order: direct outputs in batch order, then outputs materialised from the store
   or buffer (as upstream's), since upstream's order is kept.
 * Buffer slots: fast requests' new tails pop their slots before the fallback
-  requests' (upstream: in batch order); once all captures are in, before the
-  publication, each new tail is given the slot upstream gives it, rows and all
-  (``_slots_in_batch_order``).
-* Errors: when upstream's loop raises on a fallback request, the fast requests after
-  it in batch order are already committed, where upstream leaves them untouched (the
-  worker is dead after the error either way; a strict xfail test pins it). A capture
-  takes at most one free slot, and a step with fewer free slots than requests goes to
-  upstream whole, so no request finds the pool exhausted that upstream would not.
-* Value types (known, not yet fixed): the fast path writes Python ``int`` cursors, tail
-  lengths and token starts where upstream's arithmetic on the runner's int32 arrays
-  leaves numpy integers. Values are equal and every reader compares or indexes with
-  them; a pickled worker state or output differs in bytes (issue 27, item 5).
+  requests' (upstream: in batch order); once all captures are in (before the
+  publication, or when upstream's loop raised), each new tail is given the slot
+  upstream gives it, rows and all (``_slots_in_batch_order``). A capture takes at most
+  one free slot, and a step with fewer free slots than requests goes to upstream whole,
+  so no request finds the pool exhausted that upstream would not.
 * Fallback rows: upstream's outputs for fallback requests are cut from the sub-step's
   rows; when those were gathered (not contiguous) they are re-pointed at the same rows
   of the step's snapshot (``_view_of_step``), so they keep alive what upstream's keep.
@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import inspect
 import logging
 import operator
@@ -88,7 +89,7 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -215,8 +216,7 @@ class _PackingWraps:
     """``"packed_outputs" in state.wrapped_by(<the class's process_output>)``, cached.
 
     ``wrapped_by`` finds each layer by identity in every patch's records (no lock, by
-    design), ~6 us per step warm and 20-50 us under load at N=400: a large share of a
-    decode step's remaining cost on the output thread. The answer depends only on the
+    design), a walk per step otherwise. The answer depends only on the
     class attribute and on the records of the layers the walk passes, so it is kept with
     that walk: per layer, its patch and key, whether it was in force and whether a
     pass-through, and what lies under it (``state._under``: a plain layer's recorded
@@ -357,24 +357,28 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
         if type(ids) is not list:  # the runner's list; anything else: upstream's zip
             return _upstream_step(wrapped, args, kwargs, pending)
         n = len(ids)
-        qsl = np.asarray(pending.query_start_loc)
-        token_starts = np.asarray(pending.token_starts)
+        step_qsl = pending.query_start_loc
+        token_starts = pending.token_starts
         sampled = np.asarray(pending.num_sampled)
         rejected = np.asarray(pending.num_rejected)
         rows = pending.routed_experts
         if (
-            n == 0
-            or qsl.shape != (n + 1,)
+            # The runner's arrays: upstream's cursors are their elements' numpy scalars
+            # (a list's elements would be Python ints), so the types are read from them.
+            type(step_qsl) is not np.ndarray
+            or type(token_starts) is not np.ndarray
+            or n == 0
+            or step_qsl.shape != (n + 1,)
             or token_starts.shape != (n,)
             or sampled.shape != (n,)
             or rejected.shape != (n,)
             # Upstream indexes rows and buffer slots with these: it raises on floats, where
             # a cast here would commit them (and a float start left float tail lengths).
-            or qsl.dtype.kind not in "iu"
+            or step_qsl.dtype.kind not in "iu"
             or token_starts.dtype.kind not in "iu"
         ):
             return _upstream_step(wrapped, args, kwargs, pending)
-        qsl = qsl.astype(np.int64, copy=False)
+        qsl = step_qsl.astype(np.int64, copy=False)
         num_tokens = qsl[1:] - qsl[:-1]
         if (
             bool((num_tokens <= 0).any())
@@ -387,18 +391,28 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
             return _upstream_step(wrapped, args, kwargs, pending)
 
         decode = (num_tokens == 1) & (rejected == 0) & (sampled > 0)
+        # Upstream's loop raises at the first request whose capture it refuses, leaving
+        # every later request untouched: that request and all after it go to upstream.
+        # The other requests are few (prefill chunks, drafts); decodes are checked as
+        # the fast path meets them (_select).
+        stop = _first_raising(instance, ids, token_starts, num_tokens, rejected, ~decode)
         reasons: Counter[str] = Counter()
-        selected = _select(instance, ids, token_starts, decode, reasons, _RequestTail)
+        cursor_types = _cursor_types(token_starts, step_qsl)
+        selected = _select(
+            instance, ids, token_starts, decode, reasons, _RequestTail, cursor_types, stop
+        )
         if selected is None:
             return _upstream_step(wrapped, args, kwargs, pending)
-        fast, fallback, slots, locals_, published, published_at, created = selected
+        fast, fallback, stop = selected.fast, selected.fallback, selected.stop
+        created = selected.created
+        published, published_at = selected.published, selected.published_at
         decode_created = len(created)  # in batch order among themselves
         buffer_rows = instance._buffer._rows
         if fast[-1] - fast[0] + 1 == len(fast):  # one run: a view, no list conversion
             fast_rows = qsl[fast[0] : fast[-1] + 1]
         else:
             fast_rows = qsl[fast]
-        buffer_rows[slots, locals_] = _rows_at(rows, fast_rows)
+        buffer_rows[selected.slots, selected.in_block] = _rows_at(rows, fast_rows)
 
         multi: _Multi | None = None
         if len(fast) + len(fallback) != n:
@@ -413,12 +427,18 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
                     reasons["not_sampled"] += not_sampled
                 fallback.extend(np.flatnonzero(single).tolist())
             several = np.flatnonzero(not_decode & (num_tokens > 1)).tolist()
+            if several and several[-1] > stop:  # after a request upstream raises on
+                # (the one at ``stop`` gets its own reason: _select_multi refuses it)
+                after = [j for j in several if j > stop]
+                reasons[UPSTREAM_RAISES] += len(after)
+                fallback.extend(after)
+                several = several[: len(several) - len(after)]
             if several:
                 multi = _select_multi(
                     instance,
                     ids,
                     several,
-                    (qsl, token_starts, sampled, rejected, rows),
+                    _Step(step_qsl, token_starts, sampled, rejected, rows),
                     bool(fallback),
                     reasons,
                     (AuxRequestOutput, _RequestTail),
@@ -462,8 +482,15 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
                 if len(created) > max(decode_created, 1):
                     _slots_in_batch_order(instance._buffer, created)
 
-            with _one_publication(instance, published, published_at, fallback, order_slots):
-                sub_outputs = wrapped(sub)
+            try:
+                with _one_publication(instance, published, published_at, fallback, order_slots):
+                    sub_outputs = wrapped(sub)
+            except BaseException:
+                # Upstream raised in its capture loop (nothing after that request was
+                # committed: see `stop`): the tails made so far hold upstream's slots.
+                if not ordered:
+                    order_slots()
+                raise
             if not ordered:  # upstream returned without publishing (not upstream's code)
                 order_slots()
             gathered = sub_root is not _root(rows)  # sub_rows is a copy (non-contiguous)
@@ -487,18 +514,14 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
             return _packed(
                 PackedAuxOutputs, ids, token_starts, rows, fast, fast_rows, direct, materialised
             )
-        outputs: dict[str, Any] = {}
-        starts = token_starts.tolist()
-        merged = (
-            sorted([(j, ids[j], None) for j in fast] + direct, key=operator.itemgetter(0))
-            if direct
-            else [(j, ids[j], None) for j in fast]
-        )
-        for j, request_id, output in merged:
-            if output is None:
-                at = int(qsl[j])
-                output = AuxRequestOutput(starts[j], rows[at : at + 1])
-            outputs[request_id] = output
+        # Upstream's dict: each fast request's output starts at its emit cursor as it was
+        # (the object upstream's loop passes), a view of its row of the snapshot.
+        built = [
+            (j, ids[j], AuxRequestOutput(emit, rows[at : at + 1]))
+            for j, emit, at in zip(fast, selected.emits, fast_rows.tolist(), strict=True)
+        ]
+        merged = sorted(built + direct, key=operator.itemgetter(0)) if direct else built
+        outputs: dict[str, Any] = {request_id: output for _, request_id, output in merged}
         outputs.update(materialised)
         return outputs
 
@@ -511,6 +534,164 @@ def _pick(items: Any, index: list[int]) -> list[Any]:
     return list(operator.itemgetter(*index)(items))
 
 
+#: The reason counted for a request sent to upstream because upstream's loop raises on
+#: it, or on a request before it in the step.
+UPSTREAM_RAISES = "upstream_raises"
+
+
+class _CursorTypes(NamedTuple):
+    """The numpy types upstream's arithmetic gives the values it writes.
+
+    Upstream iterates the runner's arrays: a token start is a scalar of
+    ``token_starts``' dtype, and so are the capture and emit cursors it sets (``start +
+    len(rows)``) and the block starts ``capture`` computes; the scheduled cursor is
+    ``start + (end - start)`` with ``end`` and ``start`` scalars of ``query_start_loc``'s
+    dtype, so of the two dtypes' result type."""
+
+    token: np.dtype[Any]
+    scheduled: np.dtype[Any]
+
+
+def _cursor_types(token_starts: np.ndarray, query_start_loc: np.ndarray) -> _CursorTypes:
+    return _CursorTypes(
+        token_starts.dtype, np.result_type(token_starts.dtype, query_start_loc.dtype)
+    )
+
+
+class _Decodes(NamedTuple):
+    """What ``_select`` did with a step's one-token decode candidates (batch positions)."""
+
+    #: Committed here, ascending.
+    fast: list[int]
+    #: Left to upstream's ``_commit_output``, ascending.
+    fallback: list[int]
+    #: Each fast request's buffer slot and row in it: where its row is written.
+    slots: np.ndarray
+    in_block: np.ndarray
+    #: ``(state, completed)`` pairs for the publication, and their batch positions.
+    published: list[Any]
+    published_at: list[int]
+    #: New buffer tails, as (position, tail), in the order their slots were popped.
+    created: list[tuple[int, Any]]
+    #: Each fast request's emit cursor before the step (its output's ``token_start``).
+    emits: list[Any]
+    #: The first position upstream's loop raises on (``n``: none); it and every request
+    #: after it are upstream's.
+    stop: int
+
+
+def upstream_raises(connector: Any, request_id: Any, token_start: int, num_rows: int) -> bool:
+    """Whether upstream's ``_commit_output`` loop body raises on this request, read-only:
+    the state lookup, its capture-cursor assertions, then ``RoutedExpertsBuffer.capture``
+    of ``num_rows`` rows (``num_tokens - rejected``) walked on the request's buffered
+    tail. Its checks read only the request's own state and tail (a step's ids are
+    unique and, with a free slot per request, the pool is never exhausted), so earlier
+    requests of the step cannot change the answer. (``python -O`` drops upstream's
+    assertions: then an answer of True only sends more to upstream.)"""
+    try:
+        state = connector._requests.get(request_id)
+    except TypeError:  # an unhashable id: upstream's lookup raises
+        return True
+    if state is None:
+        return True  # upstream's self._requests[request_id]: KeyError
+    capture_start = token_start
+    cursor = state.capture_cursor
+    if cursor is None:
+        cursor = capture_start
+    if capture_start < cursor:
+        return True  # "capture moved backwards"
+    if capture_start > cursor:
+        if not cursor < state.scheduled_cursor:
+            return True  # "unbacked token gap"
+        capture_start = cursor
+    if capture_start < 0:
+        return True  # capture's ValueError
+    buffer = connector._buffer
+    block_size = buffer.block_size
+    tail = buffer._requests.get(request_id)
+    has_tail = tail is not None
+    tail_start, tail_length = (tail.block_start, tail.length) if has_tail else (0, 0)
+    offset = 0
+    while offset < num_rows:  # capture's loop, on the tail's start and length only
+        position = capture_start + offset
+        block_start = position // block_size * block_size
+        local_start = position - block_start
+        if not has_tail and local_start == 0 and num_rows - offset >= block_size:
+            offset += block_size
+            continue
+        if has_tail and tail_start != block_start:
+            return True  # "skipped an incomplete block"
+        if not has_tail:
+            has_tail, tail_start, tail_length = True, block_start, 0
+        if local_start != tail_length:
+            return True  # "capture is not contiguous"
+        count = min(block_size - local_start, num_rows - offset)
+        tail_length += count
+        offset += count
+        if tail_length == block_size:
+            has_tail = False
+    return False
+
+
+def _first_raising(
+    connector: Any,
+    ids: list[str],
+    token_starts: np.ndarray,
+    num_tokens: np.ndarray,
+    rejected: np.ndarray,
+    which: np.ndarray,
+) -> int:
+    """The first batch position among ``which`` (a mask) where upstream's loop raises,
+    else ``len(ids)``."""
+    for j in np.flatnonzero(which).tolist():
+        rows = int(num_tokens[j]) - int(rejected[j])
+        if upstream_raises(connector, ids[j], int(token_starts[j]), rows):
+            return j
+    return len(ids)
+
+
+def select_reference(
+    connector: Any, ids: list[str], token_starts: np.ndarray, decode: np.ndarray
+) -> tuple[list[int], list[int]]:
+    """The reference form of ``_select``'s choice, read-only: upstream's loop over the
+    step, in batch order, asking of each one-token decode candidate whether its commit
+    is the plain one (both cursors at the token start; the row continues the buffered
+    tail, or starts an aligned block with no tail), and stopping at the first request
+    upstream raises on. Returns (fast, fallback) candidate positions; every candidate
+    after a raising one is fallback. (``_select`` also requires a free buffer slot per
+    request of the step, and returns None when nothing is fast.)"""
+    block_size = connector._buffer.block_size
+    fast: list[int] = []
+    fallback: list[int] = []
+    stopped = False
+    for j, request_id in enumerate(ids):
+        start = int(token_starts[j])
+        if stopped:
+            if decode[j]:
+                fallback.append(j)
+            continue
+        if not decode[j]:
+            continue  # the multi-token and other requests are checked before the loop
+        state = connector._requests.get(request_id)
+        tail = connector._buffer._requests.get(request_id)
+        local = start % block_size
+        plain = (
+            state is not None
+            and state.capture_cursor == start
+            and state.emit_cursor == start
+            and (
+                (tail is None and local == 0)
+                or (tail is not None and tail.length == local and tail.block_start == start - local)
+            )
+        )
+        if plain:
+            fast.append(j)
+            continue
+        fallback.append(j)
+        stopped = upstream_raises(connector, request_id, start, 1)
+    return fast, fallback
+
+
 def _select(
     connector: Any,
     ids: list[str],
@@ -518,34 +699,24 @@ def _select(
     decode: np.ndarray,
     reasons: Counter[str],
     request_tail: Any,
-) -> tuple[list[int], list[int], np.ndarray, np.ndarray, list[Any], list[int], list[Any]] | None:
-    """Find the fast requests and apply upstream's capture bookkeeping to them.
-
-    Returns (fast positions, fallback positions among the decode candidates, buffer
-    slots, positions in the slot, ``(state, completed)`` pairs to publish, their batch
-    positions, the new tails as (position, tail) in pop order), or None when no request
+    types: _CursorTypes,
+    stop: int,
+) -> _Decodes | None:
+    """Find the fast decodes before ``stop`` and apply upstream's capture bookkeeping to
+    them (``select_reference`` is the plain form of the choice), or None when no request
     is fast (nothing was touched: the step goes to upstream whole).
 
     One pass over the candidates, each reading its state and tail once and, when they
     pass, writing them right away: what decides a request is its own state and tail
     (a free slot is left for every request of the step: see below), so nothing is
     written for a request that goes to upstream, and nothing at all when none is fast.
-    Why: upstream's objects are cold when the output worker commits (the model ran in
-    between: ``bench_commit_step``'s step takes ~1.1 ms at N=400 with caches flushed, as
-    ``prime-r3 bench``'s ``aux_process``, against ~0.45 ms warm), and
-    the earlier seven passes (captures, emits, tails' block starts, lengths and slots as
-    comprehensions, the checks in numpy, then a write loop) each walked all of them.
-    Measured with ``scripts/bench_commit_step.py`` (caches flushed before each step,
-    against the seven passes in the same run, paired medians of 145 iterations): 0.94-0.98
-    of ``process_output`` at N=400 (noise control 1.00-1.02); at N=1000 0.94 in one run
-    of three (control 0.985), a tie in the others (1.00-1.01, control 1.01-1.02). Also
-    measured, on the reads alone: one comprehension yielding
-    tuples then ``zip(*...)`` (1.11x the seven passes), tuples into ``np.array`` (1.64x)
-    and ``attrgetter`` maps (1.09x) are all slower; this loop 0.92x. The fast positions
-    and in-block offsets are derived after the loop (the common step has no fallback),
-    not appended per request.
+    The first candidate upstream's loop raises on ends the pass: it and every later
+    candidate go to upstream, untouched here, as upstream's loop leaves them. The values
+    written are upstream's objects: cursors and block starts of ``types``, a tail's
+    length grown from its own value, the output's start the emit cursor it replaces.
     """
-    candidates = np.flatnonzero(decode)
+    every = np.flatnonzero(decode)
+    candidates = every[: int(np.searchsorted(every, stop))]
     m = len(candidates)
     if m == 0:
         return None
@@ -558,38 +729,43 @@ def _select(
         # no request of the step can find the pool exhausted, whatever the order the
         # slots are taken in. With fewer, one may: upstream asserts at the first request
         # in batch order that finds none, after the slots went to the requests ahead of
-        # it; here the decodes take theirs first, and a fallback request ahead of them
-        # found none and raised "pool is exhausted" where upstream raised another
-        # request's error (or at another request). Such a step goes to upstream whole.
+        # it, so such a step goes to upstream whole.
         return None
     first = int(candidates[0])
     if int(candidates[-1]) - first + 1 == m:  # one run (decodes before prefills): slices
         cand: Any = range(first, first + m)
         cand_ids = ids[first : first + m]
         start_array = token_starts[first : first + m]
-        starts = start_array.tolist()
     else:
         cand = candidates.tolist()
         cand_ids = _pick(ids, cand)
         start_array = token_starts[candidates]
-        starts = start_array.tolist()
+    starts = start_array.tolist()  # Python ints for the checks; numpy values are written
+    ends = start_array + 1  # upstream's token_end, capture_start + len(rows)
+    scheduled_ends = np.add(start_array, 1, dtype=types.scheduled)  # start + num_tokens
     get_state = connector._requests.get
     get_tail = tails.get
     rows_of = buffer._rows
     owned_slots = buffer._owned_slots
     fallback: list[int] = []
     slots: list[int] = []
+    emits: list[Any] = []
     published: list[Any] = []
     published_at: list[int] = []
     created: list[tuple[int, Any]] = []
     cursor_misses = 0
     last = block_size - 1
-    for j, request_id, start in zip(cand, cand_ids, starts, strict=True):
+    for j, request_id, start, end, scheduled in zip(
+        cand, cand_ids, starts, ends, scheduled_ends, strict=True
+    ):
         state = get_state(request_id)
         # No rewind, store emit, prompt start or first capture: both cursors at the start.
-        if state is None or state.capture_cursor != start or state.emit_cursor != start:
+        if state is None or state.capture_cursor != start or (emit := state.emit_cursor) != start:
             cursor_misses += 1
             fallback.append(j)
+            if upstream_raises(connector, request_id, start, 1):
+                stop = j
+                break
             continue
         local = start % block_size
         tail = get_tail(request_id)
@@ -598,18 +774,30 @@ def _select(
             # is one: checked above).
             if local:
                 fallback.append(j)
+                if upstream_raises(connector, request_id, start, 1):  # "not contiguous"
+                    stop = j
+                    break
                 continue
-            tail = request_tail(free_slots.pop(), start)
+            tail = request_tail(free_slots.pop(), end - 1)  # start, of upstream's type
             tails[request_id] = tail
             created.append((j, tail))
-        elif tail.length != local or tail.block_start != start - local:
-            # Upstream's _tail and capture accept a tail only where the token start falls
-            # in it, at its length: it starts on the token's block boundary.
-            fallback.append(j)
-            continue
-        # capture() grows the tail by one row; _commit_output advances all three cursors.
-        tail.length = local + 1
-        state.capture_cursor = state.scheduled_cursor = state.emit_cursor = start + 1
+            length = 0
+        else:
+            length = tail.length
+            if length != local or tail.block_start != start - local:
+                # Upstream's _tail and capture accept a tail only where the token start
+                # falls in it, at its length: it starts on the token's block boundary.
+                fallback.append(j)
+                if upstream_raises(connector, request_id, start, 1):
+                    stop = j
+                    break
+                continue
+        # capture() grows the tail by one row; _commit_output advances all three cursors
+        # (capture and emit to one token_end object, scheduled to another).
+        tail.length = length + 1
+        state.capture_cursor = state.emit_cursor = end
+        state.scheduled_cursor = scheduled
+        emits.append(emit)
         slot = tail.slot
         slots.append(slot)
         if local == last:
@@ -617,7 +805,7 @@ def _select(
             block = rows_of[slot]
             del tails[request_id]
             owned_slots[id(block)] = slot
-            published.append((state, [(tail.block_start, block)]))
+            published.append((state, [(end - block_size, block)]))  # its block start
             published_at.append(j)
         elif state.pending_blocks:
             # Blocks waiting for keys: upstream's _publish_blocks gets (state, []) and
@@ -632,20 +820,26 @@ def _select(
     not_tail = len(fallback) - cursor_misses
     if not_tail:  # no zero entry: the common step then has no reasons at all
         reasons["tail"] += not_tail
+    after = every[int(np.searchsorted(every, stop, side="right")) :]
+    if len(after):  # after the request upstream raises on: not visited
+        reasons[UPSTREAM_RAISES] += len(after)
     # The fast requests are the candidates less the fallback ones (no per-request list
     # of them in the loop: the common step has no fallback). Index arrays for the one
-    # row write: numpy reads a list index far slower (~80 us more at N=1000) than an
-    # array built by fromiter.
-    if fallback:
+    # row write: numpy reads a list index far slower than an array built by fromiter.
+    if fallback or len(after):
         keep = np.ones(m, dtype=bool)
         keep[np.searchsorted(candidates, fallback)] = False
+        keep[len(slots) + len(fallback) :] = False  # after a break: not visited
         fast = np.asarray(cand)[keep].tolist()
         start_array = start_array[keep]
+        fallback.extend(after.tolist())
     else:
         fast = list(cand)
     slot_index = np.fromiter(slots, np.int64, k)
-    local_index = start_array.astype(np.int64) % block_size
-    return fast, fallback, slot_index, local_index, published, published_at, created
+    in_block = start_array.astype(np.int64) % block_size
+    return _Decodes(
+        fast, fallback, slot_index, in_block, published, published_at, created, emits, stop
+    )
 
 
 @dataclasses.dataclass
@@ -658,18 +852,48 @@ class _Multi:
     #: Outputs cut from the snapshot, as (position, request id, AuxRequestOutput).
     direct: list[tuple[int, str, Any]]
     #: (request id, emit start, token end) to read back after the publication.
-    materialise: list[tuple[str, int, int]]
+    materialise: list[tuple[str, Any, Any]]
     #: Left to upstream's ``_commit_output``.
     fallback: list[int]
     #: New buffer tails, as (position, tail), in the order their slots were popped.
     created: list[tuple[int, Any]]
 
 
+class _Step(NamedTuple):
+    """The step's arrays as ``_commit_output`` reads them (the runner's own objects)."""
+
+    query_start_loc: np.ndarray
+    token_starts: np.ndarray
+    num_sampled: np.ndarray
+    num_rejected: np.ndarray
+    routed_experts: np.ndarray
+
+
+class _Emit(enum.Enum):
+    """What ``_commit_output`` does with a committed request's output."""
+
+    NONE = "none"  # nothing sampled, or the emit cursor past the captured rows
+    CUT = "cut"  # a view of the captured rows, from the emit cursor on
+    READ_BACK = "read_back"  # starts before the capture: read back after the publication
+
+
+class _Chosen(NamedTuple):
+    """A multi-token request ``_select_multi`` commits (before its slots are counted)."""
+
+    position: int
+    state: Any
+    tail: Any
+    token_start: int
+    start: int  # its rows are routed_experts[start:end]
+    end: int
+    emit: _Emit
+
+
 def _select_multi(
     connector: Any,
     ids: list[str],
     positions: list[int],
-    step: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    step: _Step,
     other_fallback: bool,
     reasons: Counter[str],
     classes: tuple[Any, Any],
@@ -680,13 +904,13 @@ def _select_multi(
     Covered: a known state whose capture cursor is unset (first capture) or at the token
     start, nothing rejected, and a capture ``RoutedExpertsBuffer.capture`` accepts (the
     buffered tail ends at the token start, or there is none and the start is aligned; a
-    free slot for a new tail). What ``capture`` then does, done here: the tail is filled
-    and, once full, handed over as a block (its slot to ``_owned_slots`` under the block
-    view's id); then full aligned blocks as views of the snapshot; the rest starts a new
-    tail. Cursors and the output follow ``_commit_output``: capture and scheduled cursor
-    to the token end; with a token sampled and the emit cursor within reach, an output cut
-    from the snapshot (emit cursor at or after the token start) or read back after the
-    publication (before it: a prefix hit, upstream's ``materialize_routed_experts``).
+    free slot for a new tail). Then the loop body itself runs on upstream's objects: the
+    buffer's own ``capture`` (upstream's: ``_whole_step_reason`` checked), the cursors
+    (capture and emit to ``token_start + len(rows)``, scheduled to ``token_start +
+    (end - start)``, in the arrays' own scalar types) and the output: with a token
+    sampled and the emit cursor within reach, a view of the captured rows (emit cursor at
+    or after the token start) or read back after the publication (before it: a prefix
+    hit, upstream's ``materialize_routed_experts``).
 
     Upstream reads back all such outputs after all requests' captures and the one
     publication, in batch order, and each read moves the store's LRU: a request that
@@ -698,13 +922,13 @@ def _select_multi(
     no free slot).
     """
     qsl, token_starts, sampled, rejected, rows = step
-    aux_output, request_tail = classes
+    aux_output, _ = classes
     buffer = connector._buffer
     block_size = buffer.block_size
     tails = buffer._requests
     free_slots = buffer._free_slots
     states = connector._requests
-    chosen: list[tuple[int, Any, Any, int, int, int, int]] = []
+    chosen: list[_Chosen] = []
     fallback: list[int] = []
     for j in positions:
         request_id = ids[j]
@@ -737,12 +961,11 @@ def _select_multi(
             fallback.append(j)
             continue
         token_end = token_start + end - start
-        emit = state.emit_cursor
-        # 0: no output; 1: cut from the snapshot; 2: read back after the publication.
-        kind = 0
-        if int(sampled[j]) > 0 and emit <= token_end:
-            kind = 1 if emit >= token_start else 2
-        chosen.append((j, state, tail, token_start, start, end, kind))
+        emit_cursor = state.emit_cursor
+        emit = _Emit.NONE
+        if int(sampled[j]) > 0 and emit_cursor <= token_end:
+            emit = _Emit.CUT if emit_cursor >= token_start else _Emit.READ_BACK
+        chosen.append(_Chosen(j, state, tail, token_start, start, end, emit))
 
     def drop(reason: str, which: Any) -> None:
         nonlocal chosen
@@ -750,18 +973,19 @@ def _select_multi(
         for item in chosen:
             if which(item):
                 reasons[reason] += 1
-                fallback.append(item[0])
+                fallback.append(item.position)
             else:
                 keep.append(item)
         chosen = keep
 
     if other_fallback or fallback:
-        drop("multi_token_mixed", lambda item: item[6] == 2)
+        drop("multi_token_mixed", lambda item: item.emit is _Emit.READ_BACK)
     # A new tail for every capture whose end is not aligned, unless it stays in its tail.
     slots = len(free_slots)
     short = False
-    for _j, _, tail, token_start, start, end, _ in chosen:
-        token_end = token_start + end - start
+    for item in chosen:
+        token_end = item.token_start + item.end - item.start
+        tail = item.tail
         if token_end % block_size and (tail is None or token_end - tail.block_start >= block_size):
             slots -= 1
             if slots < 0:  # upstream would assert; _select sends such a step upstream whole
@@ -769,53 +993,33 @@ def _select_multi(
     if short:
         drop("multi_token_tail", lambda item: True)
     if fallback and chosen:
-        drop("multi_token_mixed", lambda item: item[6] == 2)
+        drop("multi_token_mixed", lambda item: item.emit is _Emit.READ_BACK)
 
-    rows_of = buffer._rows
-    owned_slots = buffer._owned_slots
     at: list[int] = []
     pairs: list[Any] = []
     direct: list[tuple[int, str, Any]] = []
-    materialise: list[tuple[str, int, int]] = []
+    materialise: list[tuple[str, Any, Any]] = []
     created: list[tuple[int, Any]] = []
-    for j, state, tail, token_start, start, end, kind in chosen:
+    for j, state, tail, _, start, end, emit in chosen:
         request_id = ids[j]
-        captured = rows[start:end]
-        count = end - start
-        completed: list[tuple[int, np.ndarray]] = []
-        offset = 0
-        if tail is not None:  # fill the buffered tail first
-            local = tail.length
-            offset = min(block_size - local, count)
-            rows_of[tail.slot, local : local + offset] = captured[:offset]
-            tail.length = local + offset
-            if tail.length == block_size:
-                block = rows_of[tail.slot]
-                del tails[request_id]
-                owned_slots[id(block)] = tail.slot
-                completed.append((tail.block_start, block))
-        full_end = offset + (count - offset) // block_size * block_size
-        completed.extend(
-            (token_start + at_, captured[at_ : at_ + block_size])
-            for at_ in range(offset, full_end, block_size)
-        )
-        if full_end < count:  # the rest starts a new tail (RoutedExpertsBuffer._tail)
-            new_tail = request_tail(free_slots.pop(), token_start + full_end)
-            tails[request_id] = new_tail
+        captured = rows[start:end]  # upstream's routed_experts[start : end - rejected]
+        capture_start = token_starts[j]  # the array's scalar, as upstream's zip gives it
+        emit_start = state.emit_cursor
+        completed = buffer.capture(request_id, capture_start, captured)
+        new_tail = tails.get(request_id)
+        if new_tail is not None and new_tail is not tail:
             created.append((j, new_tail))
-            rows_of[new_tail.slot, : count - full_end] = captured[full_end:]
-            new_tail.length = count - full_end
-        token_end = token_start + count
+        token_end = capture_start + len(captured)
         state.capture_cursor = token_end
-        state.scheduled_cursor = token_end
+        state.scheduled_cursor = capture_start + (qsl[j + 1] - qsl[j])
         at.append(j)
         pairs.append((state, completed))
-        if kind == 1:
-            emit = state.emit_cursor
-            direct.append((j, request_id, aux_output(emit, captured[emit - token_start :])))
+        if emit is _Emit.CUT:
+            offset = int(emit_start) - int(capture_start)
+            direct.append((j, request_id, aux_output(emit_start, captured[offset:])))
             state.emit_cursor = token_end
-        elif kind == 2:
-            materialise.append((request_id, state.emit_cursor, token_end))
+        elif emit is _Emit.READ_BACK:
+            materialise.append((request_id, emit_start, token_end))
     return _Multi(at, pairs, direct, materialise, fallback, created)
 
 
@@ -862,7 +1066,7 @@ def _merge_pairs(
 
 
 def _materialise(
-    connector: Any, pending: list[tuple[str, int, int]], aux_output: Any
+    connector: Any, pending: list[tuple[str, Any, Any]], aux_output: Any
 ) -> list[tuple[str, Any]]:
     """``_commit_output``'s read-back of outputs that start before the capture (after the
     step's one publication, in batch order): the stored blocks through the worker
@@ -967,7 +1171,8 @@ def _sub_step(
     num_tokens: np.ndarray,
     token_starts: np.ndarray,
 ) -> tuple[Any, np.ndarray]:
-    """A ``PendingAuxOutput`` of just the requests at ``positions`` (batch order)."""
+    """A ``PendingAuxOutput`` of just the requests at ``positions`` (batch order), its
+    arrays of the step's own dtypes (upstream's cursors are their scalars)."""
     index = np.asarray(positions, dtype=np.int64)
     rows = pending.routed_experts
     first, last = positions[0], positions[-1]
@@ -986,7 +1191,7 @@ def _sub_step(
         pending,
         request_ids=[ids[j] for j in positions],
         token_starts=token_starts[index],
-        query_start_loc=sub_qsl,
+        query_start_loc=sub_qsl.astype(pending.query_start_loc.dtype, copy=False),
         routed_experts=sub_rows,
         num_sampled=np.asarray(pending.num_sampled)[index],
         num_rejected=np.asarray(pending.num_rejected)[index],

@@ -4,9 +4,8 @@
 scheduled request: ``setdefault`` of its sent-hash count, ``_pack_new_hashes`` (0.31,
 0.32) or ``_take_new_hashes`` (0.33), then the emit start
 ``max(min(prompt_start, num_prompt_tokens), 0 if num_output_tokens == 0 else
-num_tokens - 1)`` (0.31 has no ``min``). That is ~0.2-0.5 ms of EngineCore CPU per
-step at 400 running requests and ~0.5-1 ms at 1000, almost all for requests where
-nothing happens but the emit start moving one token on.
+num_tokens - 1)`` (0.31 has no ``min``): almost all of it for requests where nothing
+happens but the emit start moving one token on.
 
 *Fast* requests are those whose step changes no connector state and whose emit start
 does not depend on the prompt start's value: already sent (known to
@@ -17,13 +16,8 @@ output token, ``num_tokens - 1 > num_prompt_tokens``, an ``int`` prompt start; 0
 ``prompt_start < num_tokens - 1``), where upstream's emit start is exactly ``num_tokens
 - 1``. One lean pass finds them and their emit starts (a dict lookup, a length, the
 request's ``num_output_tokens`` / ``num_tokens`` properties as upstream reads them, no
-write); everything else is upstream's code.
-
-Why a pass and not array operations: the cost of this step is touching each request's
-objects (the request, its lists, its sampling params), not arithmetic. Measured on the
-real scheduler's requests at N=400 with cold caches (as between engine steps), reading
-the same values column-wise (``map``/``attrgetter``/``np.fromiter`` per attribute)
-costs more than upstream's whole loop, while one lean pass costs about half of it.
+write); everything else is upstream's code. ``scan_reference`` is the plain form of
+the pass: upstream's loop, read-only, with upstream's emit-start formula.
 
 Design: upstream builds the metadata. We call ``wrapped`` (upstream's function, or the
 inner wrapper of a patch registered before us, e.g. packed_outputs' reader declaration)
@@ -57,8 +51,7 @@ fewer than ``MIN_BATCH`` requests.
 
 The prompt start's type is checked on every release (an ``int``, as ``SamplingParams``
 declares it): anything else (``None``, a float) goes to upstream, whose ``min``/``max``
-then computes or raises exactly as it would (found by review: 0.32/0.33 once skipped
-the read, so ``None`` raised upstream's ``TypeError`` there and not here).
+then computes or raises exactly as it would.
 """
 
 from __future__ import annotations
@@ -191,9 +184,59 @@ def _check(
 # through the request's num_output_tokens / num_tokens properties, as upstream reads them
 # (num_tokens only when there is an output token, as upstream's conditional does), so a
 # subclassed or duck-typed request gives upstream's values.
-# Reading rows here and not columns is measured: the cost is touching each request's
-# objects, and one pass over each request costs half of upstream's loop where column
-# passes (map/attrgetter/np.fromiter per attribute) cost more than upstream's loop.
+
+
+def emit_start_reference(request: Any, variant: str) -> Any:
+    """Upstream's emit start for ``request`` in ``build_connector_meta`` of ``variant``
+    (a verified fingerprint): ``max(prompt_start, floor)`` on 0.31, ``max(min(prompt_start,
+    num_prompt_tokens), floor)`` on 0.32 and 0.33, where ``floor`` is 0 before the first
+    output token and ``num_tokens - 1`` after it."""
+    prompt_start = request.sampling_params.routed_experts_prompt_start
+    floor = 0 if request.num_output_tokens == 0 else request.num_tokens - 1
+    if variant == _V031:
+        return max(prompt_start, floor)
+    return max(min(prompt_start, request.num_prompt_tokens), floor)
+
+
+def scan_reference(
+    connector: Any, num_scheduled: dict[str, int], requests: dict[str, Any], variant: str
+) -> tuple[dict[str, Any], list[str]]:
+    """The reference form of the scans, read-only: upstream's loop over the scheduled
+    requests, in order, asking of each whether its step changes connector state (a first
+    schedule, block hashes to send, on 0.33 a ``_loading`` entry to pop) and, when it
+    does not and the request decodes past its prompt with an ``int`` prompt start (0.31:
+    one below ``num_tokens - 1``), taking upstream's emit start by upstream's formula
+    (``emit_start_reference``). Returns (``requests`` as the scans build it: those emit
+    starts, None for upstream's requests; the requests left to upstream, in order)."""
+    sent = connector._sent_hash_counts
+    values: dict[str, Any] = {}
+    slow: list[str] = []
+    for request_id, num_tokens in num_scheduled.items():
+        request = requests[request_id]
+        num_sent = sent.get(request_id)
+        num_hashes = len(request.block_hashes)
+        if variant == _V033:
+            computed = request.num_computed_tokens + num_tokens
+            sends = num_sent is not None and (
+                min(num_hashes, computed // connector._hash_block_size) > num_sent
+            )
+            loading = request_id in connector._loading
+        else:
+            sends = num_sent is not None and num_hashes > num_sent
+            loading = False
+        prompt_start = request.sampling_params.routed_experts_prompt_start
+        decoding = (
+            request.num_output_tokens > 0
+            and request.num_tokens - 1 > request.num_prompt_tokens
+            and type(prompt_start) is int
+            and (variant != _V031 or prompt_start < request.num_tokens - 1)
+        )
+        if num_sent is None or sends or loading or not decoding:
+            values[request_id] = None
+            slow.append(request_id)
+        else:
+            values[request_id] = emit_start_reference(request, variant)
+    return values, slow
 
 
 def _slow_reason(num_sent: int, num_hashes: int, quiet: bool) -> str:

@@ -1,14 +1,14 @@
 """batched_take: EngineCore takes a request's rows from a received packed step by one slice.
 
 The scheduler calls ``AuxOutputSchedulerConnector.take_output(request, output)`` once
-per request that emits, every step. On a packed step (``packed_outputs``) the first
-``output[request_id]`` used to fill the whole step: one ``AuxRequestOutput`` and one
-owned rows array per request, then dict lookups, the token range arithmetic and a
-slice. Half of EngineCore's R3 cost at 400 requests was that fill plus those calls.
+per request that emits, every step. Upstream's reads the step as a dict: on a packed
+step (``packed_outputs``) the first ``output[request_id]`` fills the whole step (one
+``AuxRequestOutput`` and one owned rows array per request), then each call makes dict
+lookups, the token range arithmetic and a slice.
 
 We replace ``take_output`` with a plain function of its own signature
-(``Calling.PLAIN``): the call count (400-2000 a step) makes wrapt's per-call binding
-(about 0.4 us a call, ten times a plain method call) as costly as the work itself.
+(``Calling.PLAIN``): at its call count (400-2000 a step) wrapt's per-call binding would
+cost as much as the work itself.
 When ``output`` is a received, still unfilled ``PackedAuxOutputs``
 (``prime_r3.packed`` leaves it unfilled in a process where this patch is in force) that
 holds the request and its accepted range is valid (``0 <= local_end <= its row
@@ -20,10 +20,7 @@ integer arithmetic and a return (or one slice). The step's first take splits it
 (``packed._Unfilled._split``): every request's rows copied into an array of its own by
 C-level ``map``s, the index (request id -> token start, row count, rows) built by
 C-level ``zip``s, and the step's packed rows dropped. The step is not filled.
-Making the copies all at once is cheaper than a slice plus ``.copy()`` per call, and
-the split costs no more than the one-row copies it replaced (both measured in the
-bench's engine loop, take_output alternating step by step with the earlier version:
-``scripts/bench_sched.py --take-before``; figures in the README).
+``take_reference`` is the plain form of the answer, on the packed step's own arrays.
 
 Anything else goes to upstream's ``take_output`` itself (the function under ours,
 called directly), so its assertions and their messages are upstream's: a plain dict
@@ -39,8 +36,6 @@ a kept result pins that request's rows only, never the step. The step holds its 
 once at every point: packed in one array until the first take, then one array per
 request (what upstream's dict holds) with the packed rows dropped, until it dies with
 the ``ModelRunnerOutput``, as upstream's dict does; a later fill reuses those arrays.
-Before the split dropped the packed rows, the step held them next to one-row copies
-made ahead: about twice upstream's bytes on a decode step, from the first take on.
 
 Other readers of ``model_runner_output.aux_output_connector_output`` see upstream's
 content: every Python-level dict read of an unfilled step fills it first (``in``,
@@ -66,6 +61,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from prime_r3.fixes import batched_commit
 from prime_r3.fixes.aux_output import CONNECTOR_MODULE as _CONNECTOR
 from prime_r3.fixes.aux_output import TAKE_OUTPUT
@@ -89,6 +86,27 @@ class Counters(batched_commit.Counters):
 
 
 COUNTERS = Counters()
+
+
+def take_reference(request: Any, packed: Any) -> np.ndarray | None:
+    """The reference form of the fast take, read-only: upstream's ``take_output`` body on
+    a packed step's own arrays (``packed``: its ``_Packed`` ids, starts, offsets and rows,
+    before the split). The request's entry is found by its id; its rows are
+    ``rows[offsets[i]:offsets[i + 1]]`` from token ``starts[i]``, and upstream's
+    ``local_end = request.num_tokens - 1 - start`` cuts them: ``rows[:local_end]``.
+    None where the fast path calls upstream instead (no entry, ``local_end < 0`` or
+    beyond the request's rows), whose answer or error is then upstream's own."""
+    ids, starts, offsets, rows = packed
+    request_id = request.request_id
+    for i, candidate in enumerate(ids):
+        if candidate != request_id:
+            continue
+        first, count = int(offsets[i]), int(offsets[i + 1]) - int(offsets[i])
+        local_end = request.num_tokens - 1 - int(starts[i])
+        if 0 <= local_end <= count:
+            return rows[first : first + local_end]
+        return None
+    return None
 
 
 def _batched_take(params: Mapping[str, Any]) -> PlainFactory:

@@ -54,6 +54,10 @@ engine step replaced) while steps are in flight can still receive the steps decl
 before the change, one or two packed steps: inherent to declaring ahead of the output,
 as upstream's own metadata is; the change is seen from the next built step on.
 
+The packed form of a step is ``prime_r3.packed``'s ``_pack`` (a gather from the step's
+snapshot, ``StepRows``); its plain form, upstream's dict walked request by request, is
+``packed.pack_reference``, and the tests hold the two equal.
+
 Consumers keep working unchanged:
 
 * ``AuxOutputSchedulerConnector.take_output`` (EngineCore) uses ``in`` and ``[]`` and
@@ -258,10 +262,10 @@ def _vllm_method(module: str, owner: str, name: str) -> Callable[[Any], bool]:
     is read at every step: a subclass holding the function vLLM's class held when it
     was verified is withheld once another layer replaces that class attribute, as it
     is when the layer came before the first step; the answer does not depend on which
-    step verified what (the scheduler's former fast path kept declaring to it).
+    step verified what.
 
     Per step: vLLM's class and its attribute compared by identity with those last
-    verified (verified again, ~30 ms, only when either is another object), then the
+    verified (verified again only when either is another object), then the
     object's instance dict and its class's attribute. The state is one tuple, replaced
     whole: a thread reads one consistent state.
     """

@@ -266,6 +266,88 @@ def test_revert_hands_rows_in_flight_back_to_upstreams_list(
     _same(np.concatenate(gathered, axis=0), np.concatenate(chunks, axis=0))
 
 
+def test_revert_before_a_requests_first_chunk_sends_it_to_upstreams_list() -> None:
+    rng = np.random.default_rng(7)
+    waiting = response_rows.RowChunks()  # a request whose first output has not come yet
+    response_rows.SPEC.on_revert()
+    chunks = [_rows(rng, 4), _rows(rng, 1)]
+    for chunk in chunks:
+        waiting.append(chunk)
+    assert waiting and not waiting.gathered
+    _same(np.concatenate(waiting, axis=0), np.concatenate(chunks, axis=0))
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        pytest.param(lambda r: _rows(r, 3).astype(">i4"), id="byteswapped"),
+        pytest.param(
+            lambda r: np.zeros(3, np.dtype({"names": ["a"], "formats": ["u1"], "itemsize": 4})),
+            id="padded",
+        ),
+        pytest.param(lambda r: np.zeros((3, 0, 8), np.uint8), id="zero_dim"),
+        pytest.param(lambda r: np.zeros((3, 2), np.dtype([])), id="zero_itemsize"),
+    ],
+)
+def test_first_chunks_concatenate_would_change_go_to_upstreams_list(first: Any) -> None:
+    """Upstream's concatenation of these has another dtype (canonical byte order, no
+    padding) or no rows to count by: the buffer leaves them to it."""
+    rng = np.random.default_rng(8)
+    chunks = [first(rng), first(rng)]
+    gathered = response_rows.RowChunks()
+    for chunk in chunks:
+        gathered.append(chunk)
+    assert not gathered.gathered
+    got, expected = np.concatenate(gathered, axis=0), np.concatenate(chunks, axis=0)
+    assert got.dtype == expected.dtype and got.dtype.str == expected.dtype.str
+    assert got.shape == expected.shape and got.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("mapped_from", [64, 1 << 18])
+def test_copied_or_pickled_chunks_are_upstreams_list(
+    monkeypatch: pytest.MonkeyPatch, mapped_from: int
+) -> None:
+    import copy
+    import pickle
+
+    monkeypatch.setattr(response_rows, "MAPPED_FROM", mapped_from)
+    rng = np.random.default_rng(9)
+    chunks = [_rows(rng, 20)] + [_rows(rng, 1) for _ in range(30)]
+    gathered = response_rows.RowChunks()
+    for chunk in chunks:
+        gathered.append(chunk)
+    for other in (
+        copy.copy(gathered),
+        copy.deepcopy(gathered),
+        pickle.loads(pickle.dumps(gathered)),
+    ):
+        assert type(other) is list
+        other.append(chunks[0])
+        _same(np.concatenate(other, axis=0), np.concatenate([*chunks, chunks[0]], axis=0))
+    _same(gathered.array(), np.concatenate(chunks, axis=0))  # the original is untouched
+
+
+def test_finished_outputs_past_the_mapping_budget_get_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(response_rows, "MAPPED_FROM", 64)
+    monkeypatch.setattr(response_rows, "MAX_HANDED_OUT", len(response_rows._HANDED_OUT) + 1)
+    rng = np.random.default_rng(10)
+    response_rows.COUNTERS.reset()
+    outs = []
+    for _ in range(2):
+        gathered = response_rows.RowChunks()
+        chunks = [_rows(rng, 40) for _ in range(3)]
+        for chunk in chunks:
+            gathered.append(chunk)
+        outs.append((gathered.finished(), np.concatenate(chunks, axis=0)))
+    for out, expected in outs:
+        _same(out, expected)
+    assert isinstance(_mapping_of(outs[0][0]), mmap.mmap)
+    assert outs[1][0].flags.owndata and outs[1][0].base is None
+    assert dict(response_rows.COUNTERS.fallback) == {"mappings_held": 1}
+
+
 @pytest.mark.parametrize("mapped_from", [64, 1 << 12])
 def test_mapped_rows_trim_and_spill_as_upstream(
     monkeypatch: pytest.MonkeyPatch, mapped_from: int
@@ -520,6 +602,72 @@ def test_json_response_read_before_sending_renders_at_once() -> None:
     assert response_json.COUNTERS.snapshot()["fast"] == 1
     with pytest.raises(AttributeError):
         ours.not_an_attribute  # noqa: B018
+
+
+def _sent(response: Any, on_send: Any = None) -> list[dict[str, Any]]:
+    """The ASGI messages ``response`` sends (``on_send`` called at each)."""
+    import asyncio
+
+    messages: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if on_send is not None:
+            on_send()
+        messages.append(message)
+
+    asyncio.run(response({"type": "http"}, receive, send))
+    return messages
+
+
+def test_json_response_raises_upstreams_render_error_in_its_constructor() -> None:
+    """As upstream's, where the route's decorators (vLLM's load_aware_call) see it."""
+    from starlette.responses import JSONResponse
+
+    content = {"choices": [{"routed_experts": _b64(120_000), "x": float("nan")}]}
+    with pytest.raises(ValueError) as upstream:
+        JSONResponse(content=content)
+    with pytest.raises(ValueError) as ours:
+        _spliced_json_response()(content=content)
+    assert str(ours.value) == str(upstream.value)
+
+
+def test_json_response_keeps_no_content_while_sending() -> None:
+    import gc
+    import weakref
+
+    class Tracked(dict):
+        pass
+
+    usage = Tracked(prompt_tokens=3)  # a part of the content that can be watched
+    content = {"choices": [{"index": 0, "routed_experts": _b64(120_000)}], "usage": usage}
+    alive = weakref.ref(usage)
+    response = _spliced_json_response()(content=content)
+    del content, usage
+    assert alive() is not None  # kept until the render, off the loop
+    seen = []
+    _sent(response, lambda: (gc.collect(), seen.append(alive() is not None)))
+    assert seen == [False, False]
+    assert response_json.COUNTERS.snapshot()["off_loop"] >= 1
+
+
+def test_json_response_headers_are_those_of_its_construction() -> None:
+    """Status or media type changed after construction, ``raw_headers`` / ``body`` set:
+    what upstream's constructor fixed, and what the assignments then replaced."""
+    from starlette.responses import JSONResponse
+
+    content = {"choices": [{"index": 0, "routed_experts": _b64(120_000)}]}
+    for make in (JSONResponse, _spliced_json_response()):
+        changed = make(content=content)
+        changed.status_code, changed.media_type = 204, "text/plain"
+        replaced = make(content=content)
+        replaced.raw_headers, replaced.body = [(b"x-only", b"1")], b"{}"
+        got = [_sent(changed), _sent(replaced)]
+        if make is JSONResponse:
+            expected = got
+    assert got == expected
 
 
 def test_json_a_placeholder_in_the_content_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:

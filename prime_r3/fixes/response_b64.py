@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import io
+import os
 import threading
 import weakref
 from collections.abc import AsyncIterator, Mapping
@@ -157,6 +158,16 @@ def off_loop_executor() -> concurrent.futures.ThreadPoolExecutor:
                 concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prime_r3-response")
             )
         return _EXECUTOR[0]
+
+
+def _forget_executor_in_child() -> None:
+    """A forked child has no worker thread: it makes its own on first use."""
+    global _EXECUTOR_LOCK
+    _EXECUTOR.clear()
+    _EXECUTOR_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_executor_in_child)
 
 
 def _encode_all(arrays: list[Any]) -> list[str]:

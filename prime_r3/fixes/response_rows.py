@@ -31,17 +31,24 @@ rounded up to a page as glibc rounds its own mapped allocations). What differs, 
 mapped rows only: the array's memory is the mapping it references (``base``), not
 numpy's own (``flags.owndata`` is false, so ``ndarray.resize`` refuses it).
 
-Fast case: every chunk an exact ``np.ndarray`` of the first chunk's dtype, ndim >= 1 and
-trailing shape, C-contiguous. Anything else (another dtype or shape, which
-``np.concatenate`` would promote or refuse; a non-contiguous array; any other assignment
-than ``[-1] =``; a chunk or ``[-1] =`` once mapped rows were handed out; no mapping to
-be had) *spills*: the rows so far become two ordinary chunks in the list (copies of
-those before the last chunk, and of the last chunk, so ``[-1]`` still names it) and the
-list is upstream's from then on (upstream's concatenation of ``[rows before, last,
-chunk, ...]`` equals that of the original chunks); counted in ``COUNTERS`` by reason.
+Fast case: every chunk an exact ``np.ndarray`` of the first chunk's dtype (one that
+``np.concatenate`` keeps as it is: native or no byte order, no padding), ndim >= 1 and
+trailing shape (no zero-size dimension, no zero-size items), C-contiguous. Anything
+else (another dtype or shape, which ``np.concatenate`` would promote or refuse; a
+non-contiguous array; any other assignment than ``[-1] =``; a chunk or ``[-1] =`` once
+mapped rows were handed out; no mapping to be had) *spills*: the rows so far become two
+ordinary chunks in the list (copies of those before the last chunk, and of the last
+chunk, so ``[-1]`` still names it) and the list is upstream's from then on (upstream's
+concatenation of ``[rows before, last, chunk, ...]`` equals that of the original
+chunks); counted in ``COUNTERS`` by reason.
 The other list operations are not overridden: code that reads the list directly
 (upstream does not) sees it empty until a spill. On revert every live buffer spills
-(``on_revert``), so a request in flight finishes with upstream's own concatenation.
+(``on_revert``; one with no rows yet sends its first chunk to the list), so a request in
+flight finishes with upstream's own concatenation; revert runs where the buffers are
+appended to (the API server's loop thread), as a spill is not atomic with an append.
+Copied or pickled, a buffer is upstream's list of its rows (one array). At most
+``MAX_HANDED_OUT`` (4096) handed-out mappings are alive at once; past that a finished
+output gets a copy (counted ``mappings_held``).
 """
 
 from __future__ import annotations
@@ -109,6 +116,10 @@ class RowChunks(list):
         self._spilled = False
         self._handed = False  # the mapping's rows were handed out at finish
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Copied or pickled, the chunks are upstream's list: the rows so far as one array."""
+        return (list, ([self.array().copy()] if self.gathered else list(self),))
+
     @property
     def gathered(self) -> bool:
         """Rows were appended and live in the buffer (the list is empty)."""
@@ -142,8 +153,14 @@ class RowChunks(list):
             or chunk.ndim < 1
             or chunk.dtype.hasobject
             or not chunk.flags.c_contiguous
+            or chunk.dtype.itemsize == 0
+            or 0 in chunk.shape[1:]
         ):
             self._spill(chunk, "first_chunk")
+            return
+        canonical = np.concatenate((chunk[:0],)).dtype  # the dtype concatenate gives
+        if canonical.str != chunk.dtype.str or canonical.descr != chunk.dtype.descr:
+            self._spill(chunk, "dtype")  # byte-swapped, padded or aligned: upstream's own
             return
         self._rows, self._dtype, self._tail, self._size = (
             bytearray(),
@@ -231,11 +248,16 @@ class RowChunks(list):
         rows = self._rows
         if type(rows) is bytearray or self._handed or not self._size:
             return self.array().copy()
+        if len(_HANDED_OUT) >= MAX_HANDED_OUT:  # each is a kernel mapping: keep a margin
+            COUNTERS.add_fallback("mappings_held")
+            return self.array().copy()
         try:
             rows.resize(self._size)
         except BufferError:  # a view of the rows is alive: they cannot be shrunk
             return self.array().copy()
         self._handed = True
+        key = id(rows)
+        _HANDED_OUT[key] = weakref.ref(rows, lambda _, key=key: _HANDED_OUT.pop(key, None))
         return self.array()
 
     def array(self) -> Any:
@@ -247,6 +269,12 @@ class RowChunks(list):
         return flat.reshape((-1, *self._tail))
 
 
+#: Mappings handed out in finished outputs and still alive (weakly), and how many may be:
+#: past that a finished output gets a copy, so a process keeping many outputs (an offline
+#: ``LLM.generate`` returns them all at once) stays far from ``vm.max_map_count``.
+_HANDED_OUT: dict[int, weakref.ref[mmap.mmap]] = {}
+MAX_HANDED_OUT = 4096
+
 #: Every live buffer, so that revert can hand each one's rows back to upstream's list.
 _LIVE: dict[int, weakref.ref[RowChunks]] = {}
 
@@ -257,8 +285,12 @@ def _spill_live() -> None:
     its rows with the wrapper gone."""
     for ref in list(_LIVE.values()):
         chunks = ref()
-        if chunks is not None and chunks.gathered:
+        if chunks is None:
+            continue
+        if chunks.gathered:
             chunks._spill_rows("revert")
+        else:  # no rows yet: its first chunk goes to the list
+            chunks._spilled = True
 
 
 def _pages(nbytes: int) -> int:
@@ -285,7 +317,8 @@ def _new_completion_output(params: Mapping[str, Any]) -> WrapperFn:
             and output.routed_experts is None
         ):
             output.routed_experts = chunks.finished()
-            COUNTERS.fast += 1
+            with COUNTERS._lock:
+                COUNTERS.fast += 1
         return output
 
     return rows_on_finish

@@ -174,6 +174,14 @@ def _same(got: np.ndarray, expected: np.ndarray) -> None:
     assert np.array_equal(got, expected)
 
 
+def _gather(chunks: list[np.ndarray]) -> response_rows.RowChunks:
+    """A ``RowChunks`` that had ``chunks`` appended, as the output processor appends them."""
+    gathered = response_rows.RowChunks()
+    for chunk in chunks:
+        gathered.append(chunk)
+    return gathered
+
+
 def _finish(chunks: response_rows.RowChunks) -> np.ndarray:
     """What the finish wrapper hands out: the buffer's array, or upstream's concatenation."""
     return chunks.array() if chunks.gathered else np.concatenate(chunks, axis=0)
@@ -182,9 +190,7 @@ def _finish(chunks: response_rows.RowChunks) -> np.ndarray:
 def test_row_chunks_gather_what_concatenate_would() -> None:
     rng = np.random.default_rng(0)
     chunks = [_rows(rng, 7)] + [_rows(rng, 1) for _ in range(50)] + [_rows(rng, 0), _rows(rng, 3)]
-    gathered = response_rows.RowChunks()
-    for chunk in chunks:
-        gathered.append(chunk)
+    gathered = _gather(chunks)
     assert gathered.gathered and not gathered  # the list storage stays empty
     got = gathered.array()
     _same(got, np.concatenate(chunks, axis=0))
@@ -196,9 +202,7 @@ def test_a_finished_output_keeps_only_its_rows_alive() -> None:
     hands out (a view of the buffer kept its growth slack alive with the output)."""
     rng = np.random.default_rng(1)
     chunks = [_rows(rng, 1) for _ in range(5000)]
-    gathered = response_rows.RowChunks()
-    for chunk in chunks:
-        gathered.append(chunk)
+    gathered = _gather(chunks)
     state = types.SimpleNamespace(routed_experts_chunks=gathered)
     made = types.SimpleNamespace(finish_reason="length", routed_experts=None)
     wrapper = response_rows._new_completion_output({})
@@ -225,9 +229,7 @@ def test_mapped_rows_are_handed_out_without_a_copy(
     monkeypatch.setattr(response_rows, "MAPPED_FROM", mapped_from)
     rng = np.random.default_rng(4)
     chunks = [_rows(rng, 3)] + [_rows(rng, 1) for _ in range(3000)]
-    gathered = response_rows.RowChunks()
-    for chunk in chunks:
-        gathered.append(chunk)
+    gathered = _gather(chunks)
     state = types.SimpleNamespace(routed_experts_chunks=gathered)
     made = types.SimpleNamespace(finish_reason="length", routed_experts=None)
     out = response_rows._new_completion_output({})(lambda: made, state, (), {}).routed_experts
@@ -257,9 +259,7 @@ def test_revert_hands_rows_in_flight_back_to_upstreams_list(
     monkeypatch.setattr(response_rows, "MAPPED_FROM", mapped_from)
     rng = np.random.default_rng(6)
     chunks = [_rows(rng, 30)] + [_rows(rng, 1) for _ in range(100)]
-    gathered = response_rows.RowChunks()
-    for chunk in chunks:
-        gathered.append(chunk)
+    gathered = _gather(chunks)
     assert not gathered  # what upstream's check would see without the revert
     response_rows.SPEC.on_revert()
     assert gathered and not gathered.gathered
@@ -294,9 +294,7 @@ def test_first_chunks_concatenate_would_change_go_to_upstreams_list(first: Any) 
     padding) or no rows to count by: the buffer leaves them to it."""
     rng = np.random.default_rng(8)
     chunks = [first(rng), first(rng)]
-    gathered = response_rows.RowChunks()
-    for chunk in chunks:
-        gathered.append(chunk)
+    gathered = _gather(chunks)
     assert not gathered.gathered
     got, expected = np.concatenate(gathered, axis=0), np.concatenate(chunks, axis=0)
     assert got.dtype == expected.dtype and got.dtype.str == expected.dtype.str
@@ -313,9 +311,7 @@ def test_copied_or_pickled_chunks_are_upstreams_list(
     monkeypatch.setattr(response_rows, "MAPPED_FROM", mapped_from)
     rng = np.random.default_rng(9)
     chunks = [_rows(rng, 20)] + [_rows(rng, 1) for _ in range(30)]
-    gathered = response_rows.RowChunks()
-    for chunk in chunks:
-        gathered.append(chunk)
+    gathered = _gather(chunks)
     for other in (
         copy.copy(gathered),
         copy.deepcopy(gathered),
@@ -336,10 +332,8 @@ def test_finished_outputs_past_the_mapping_budget_get_copies(
     response_rows.COUNTERS.reset()
     outs = []
     for _ in range(2):
-        gathered = response_rows.RowChunks()
         chunks = [_rows(rng, 40) for _ in range(3)]
-        for chunk in chunks:
-            gathered.append(chunk)
+        gathered = _gather(chunks)
         outs.append((gathered.finished(), np.concatenate(chunks, axis=0)))
     for out, expected in outs:
         _same(out, expected)
@@ -356,9 +350,7 @@ def test_mapped_rows_trim_and_spill_as_upstream(
     rng = np.random.default_rng(5)
     chunks = [_rows(rng, 40)] + [_rows(rng, 2) for _ in range(200)]
     upstream = list(chunks)
-    gathered = response_rows.RowChunks()
-    for chunk in chunks:
-        gathered.append(chunk)
+    gathered = _gather(chunks)
     upstream[-1] = chunks[-1][:1]
     gathered[-1] = chunks[-1][:1]
     _same(gathered.array(), np.concatenate(upstream, axis=0))
@@ -403,9 +395,7 @@ def test_row_chunks_trim_the_last_chunk_as_upstream() -> None:
     rng = np.random.default_rng(2)
     chunks = [_rows(rng, 4), _rows(rng, 3), _rows(rng, 2)]
     upstream = list(chunks)
-    gathered = response_rows.RowChunks()
-    for chunk in chunks:
-        gathered.append(chunk)
+    gathered = _gather(chunks)
     upstream[-1] = chunks[-1][:1]
     gathered[-1] = chunks[-1][:1]
     _same(gathered.array(), np.concatenate(upstream, axis=0))
@@ -423,9 +413,7 @@ def test_row_chunks_trim_the_last_chunk_as_upstream() -> None:
 def test_row_chunks_other_assignments_spill_first() -> None:
     rng = np.random.default_rng(3)
     chunks = [_rows(rng, 4), _rows(rng, 3)]
-    gathered = response_rows.RowChunks()
-    for chunk in chunks:
-        gathered.append(chunk)
+    gathered = _gather(chunks)
     gathered[0] = chunks[0][:1]
     _same(np.concatenate(gathered, axis=0), np.concatenate([chunks[0][:1], chunks[1]], axis=0))
     with pytest.raises(IndexError):

@@ -369,21 +369,21 @@ def _rss_kb() -> int:
         return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
 
 
-async def _probe(samples: list[tuple[float, float, float]]) -> None:
-    """Sleep PROBE_S at a time; record (wake time, lateness, process CPU)."""
+async def _probe(samples: list[tuple[float, float]]) -> None:
+    """Sleep PROBE_S at a time; record (wake time, lateness). CPU: ``ProcessCpu``."""
     loop = asyncio.get_running_loop()
     while True:
         start = loop.time()
         await asyncio.sleep(PROBE_S)
         now = time.monotonic()
-        samples.append((now, loop.time() - start - PROBE_S, time.process_time()))
+        samples.append((now, loop.time() - start - PROBE_S))
 
 
 class StallStacks(threading.Thread):
     """While the loop is late by more than ``after`` s, sample its thread's stack every
     ``every`` s: ``seen`` is (time, innermost frames) (``--stall-stacks``)."""
 
-    def __init__(self, samples: list[tuple[float, float, float]], after: float = 0.05) -> None:
+    def __init__(self, samples: list[tuple[float, float]], after: float = 0.05) -> None:
         super().__init__(daemon=True, name="prime_r3-stall-stacks")
         self.samples, self.after, self.every = samples, after, 0.01
         self.loop_thread = threading.get_ident()
@@ -494,7 +494,7 @@ def server_main(argv: Sequence[str]) -> int:
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_argv)
         validate_parsed_serve_args(args)
         listen_address, sock = setup_server(args, reuse_port=False)
-        samples: list[tuple[float, float, float]] = []
+        samples: list[tuple[float, float]] = []
         stats: dict[str, Any] = {}
         sampler = StallStacks(samples) if ours.stall_stacks else None
         gc_pauses = GcPauses()
@@ -852,7 +852,7 @@ def _stacks_of_longest_stall(
     """The stacks sampled during the longest stall, most frequent first."""
     if not samples or not stacks:
         return []
-    woke, lag, _ = max(samples, key=lambda s: s[1])
+    woke, lag = max(samples, key=lambda s: s[1])
     counts: dict[str, int] = {}
     for t, key in stacks:
         if woke - lag - PROBE_S <= t <= woke:

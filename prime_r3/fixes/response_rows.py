@@ -256,8 +256,7 @@ class RowChunks(list):
         except BufferError:  # a view of the rows is alive: they cannot be shrunk
             return self.array().copy()
         self._handed = True
-        key = id(rows)
-        _HANDED_OUT[key] = weakref.ref(rows, lambda _, key=key: _HANDED_OUT.pop(key, None))
+        _HANDED_OUT.add(rows)
         return self.array()
 
     def array(self) -> Any:
@@ -272,7 +271,7 @@ class RowChunks(list):
 #: Mappings handed out in finished outputs and still alive (weakly), and how many may be:
 #: past that a finished output gets a copy, so a process keeping many outputs (an offline
 #: ``LLM.generate`` returns them all at once) stays far from ``vm.max_map_count``.
-_HANDED_OUT: dict[int, weakref.ref[mmap.mmap]] = {}
+_HANDED_OUT: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()
 MAX_HANDED_OUT = 4096
 
 #: Every live buffer, so that revert can hand each one's rows back to upstream's list.

@@ -12,6 +12,7 @@ from prime_r3.fixes import (
     batched_meta,
     batched_take,
     engine_gc,
+    output_turns,
     packed_hop,
     packed_outputs,
     response_b64,
@@ -39,6 +40,7 @@ REGISTRY: tuple[PatchSpec, ...] = (
     response_rows.SPEC,
     response_b64.SPEC,
     response_json.SPEC,
+    output_turns.SPEC,
 )
 
 

@@ -22,7 +22,7 @@ def _run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 #: in 0.33, read in its source).
 _STORE = ("store_eviction", "store_headroom", "store_growth")
 _BATCHED = ("batched_commit", "batched_begin", "batched_take", "batched_meta", "store_arena")
-_FRONT_END = ("packed_hop", "response_rows", "response_b64", "response_json")
+_FRONT_END = ("packed_hop", "response_rows", "response_b64", "response_json", "output_turns")
 EXPECTED_STATES = {
     "0.31.0": dict.fromkeys(
         ("engine_gc", "packed_outputs", *_STORE, *_BATCHED, *_FRONT_END), "would_apply"

@@ -140,13 +140,13 @@ def test_wave_routed_experts_are_the_rows_the_engine_sent(waves: dict[str, Any])
 
 
 def test_wave_overlay_applied_its_fast_paths(waves: dict[str, Any]) -> None:
-    """The overlay's server applied the three patches and served every sample by them;
+    """The overlay's server applied the four patches and served every sample by them;
     upstream's (PRIME_R3=0) applied none and counted nothing."""
     samples = SHAPE.requests
     non_streaming = sum(n for n, streaming in SHAPE.plan(False) if not streaming)
     prime = waves["prime"]["summary"]["prime_r3"]
     assert prime["states"] == dict.fromkeys(
-        ("response_rows", "response_b64", "response_json"), "applied"
+        ("response_rows", "response_b64", "response_json", "output_turns"), "applied"
     )
     counters = prime["counters"]
     assert counters["response_rows"] == {"fast": samples, "fallback": {}}
@@ -154,6 +154,9 @@ def test_wave_overlay_applied_its_fast_paths(waves: dict[str, Any]) -> None:
     assert counters["response_b64"] == {"fast": samples, "off_loop": samples, "fallback": {}}
     assert counters["response_json"]["strings"] == non_streaming
     assert not counters["response_json"]["fallback"]
+    # The output handler asked for every step (R3 on), giving a turn where one was queued.
+    turns = counters["output_turns"]
+    assert turns["r3_off"] == 0 and turns["turns"] + turns["waited"] >= SHAPE.max_tokens
     # The engine stand-in packed its decode steps for the declared client (packed_hop).
     assert waves["prime"]["summary"]["packed_hop"]["packed_steps"] >= SHAPE.max_tokens - 1
     assert waves["upstream"]["summary"]["packed_hop"] is None

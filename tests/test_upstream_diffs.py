@@ -3,7 +3,7 @@
 What each release expects (``EXPECTED``): 0.31.0 and 0.32.0 carry one diff per registry
 patch that has one (the six fixes, batched_commit and batched_begin, whose diffs hold
 the output worker's request state in arrays, batched_meta, and the API server's
-response_rows, response_b64 and response_json); 0.33.0 carries the same but the store
+response_rows, response_b64, response_json and output_turns); 0.33.0 carries the same but the store
 patches 03-05, fixed upstream there (the registry says so, and a test ties the two). No
 patch is without a diff today (``PENDING``; a record's ``diff_pending`` would say why).
 batched_take and packed_hop have no diff of their own: packed_outputs' diff carries
@@ -50,6 +50,7 @@ ALL = [
     "response_rows",
     "response_b64",
     "response_json",
+    "output_turns",
 ]
 EXPECTED = {
     "0.31.0": ALL,
@@ -64,6 +65,7 @@ EXPECTED = {
         "response_rows",
         "response_b64",
         "response_json",
+        "output_turns",
     ],
 }
 SCENARIO_TIMEOUT = 900

@@ -33,7 +33,8 @@ engine sends them for samples whose prompt blocks come from the store).
 
 Arms: ``off`` (R3 off, ``PRIME_R3=0``), ``upstream`` (R3 on, ``PRIME_R3=0``), ``prime``
 (R3 on, prime_r3 as the plugin applies it), and on request ``prime_gc`` (``prime`` with
-``PRIME_R3_ENGINE_GC_API_SERVER=1``), alternated in each round. Per arm, the median
+``PRIME_R3_ENGINE_GC_API_SERVER=1``) and ``prime_no_turns`` (``prime`` without
+``output_turns``), alternated in each round. Per arm, the median
 over rounds of: the loop's longest stall and p99 lag during the wave and during its
 finish (from the engine's last step to the last response), ``/health`` latency (max,
 p99), client errors, API-server CPU (all threads, read from ``/proc`` by the driver, so a
@@ -69,7 +70,7 @@ PROBE_S = 0.005
 HEALTH_S = 0.05
 #: How long the API server may take to start (a loaded 2-core machine: minutes).
 START_S = 600
-ARMS = ("off", "upstream", "prime", "prime_gc")
+ARMS = ("off", "upstream", "prime", "prime_gc", "prime_no_turns")
 DEFAULT_ARMS = ("off", "upstream", "prime")
 
 
@@ -425,15 +426,31 @@ class GcPauses:
 def _overlay_state() -> dict[str, Any]:
     """The front-end patches' states in this process and their counters."""
     from prime_r3 import layer
-    from prime_r3.fixes import response_b64, response_json, response_rows
+    from prime_r3.fixes import output_turns, response_b64, response_json, response_rows
 
     report = layer.status()
     modules = {"response_rows": response_rows, "response_b64": response_b64}
-    modules["response_json"] = response_json
+    modules.update(response_json=response_json, output_turns=output_turns)
     return {
         "states": {o.name: o.state for o in report.outcomes if o.name in modules},
         "counters": {name: m.COUNTERS.snapshot() for name, m in modules.items()},
     }
+
+
+def _config_with_r3() -> None:
+    """The API server's ``VllmConfig`` with ``enable_return_routed_experts`` on, set after
+    vLLM built and checked it (its check wants Model Runner V2, which the front end never
+    runs). Only this benchmark's server process does this."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    create = EngineArgs.create_engine_config
+
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        config = create(self, *args, **kwargs)
+        config.aux_output_config.enable_return_routed_experts = True
+        return config
+
+    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
 
 
 def server_main(argv: Sequence[str]) -> int:
@@ -489,8 +506,11 @@ def server_main(argv: Sequence[str]) -> int:
             "--disable-log-stats",
         ]
         # No --enable-return-routed-experts: building the config refuses R3 without Model
-        # Runner V2 and Triton (none on CPU), and nothing in the front end reads the flag;
-        # its R3 work is driven by the routed experts the engine sends (``--r3``).
+        # Runner V2 and Triton (none on CPU). The front end's R3 work is driven by the
+        # routed experts the engine sends (``--r3``); its config says R3 is on, as a real
+        # R3 server's does, by the flag set once the config is built (``_config_with_r3``).
+        if ours.r3:
+            _config_with_r3()
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_argv)
         validate_parsed_serve_args(args)
         listen_address, sock = setup_server(args, reuse_port=False)
@@ -657,6 +677,8 @@ def arm_env(arm: str, extra: dict[str, str] | None = None) -> dict[str, str]:
         env["PRIME_R3"] = "0"
     if arm == "prime_gc":  # engine_gc's thresholds in the API server too
         env["PRIME_R3_ENGINE_GC_API_SERVER"] = "1"
+    if arm == "prime_no_turns":  # what output_turns changes
+        env["PRIME_R3_PATCHES"] = "-output_turns"
     env.update(extra or {})
     return env
 

@@ -136,3 +136,21 @@ def test_no_client_class_of_the_release_overrides_the_target() -> None:
     ]
     assert clients, "no subclass of AsyncMPClient found"
     assert [c.__name__ for c in clients if "get_output_async" in vars(c)] == []
+
+
+def test_a_client_whose_config_lacks_the_flag_gets_upstreams_call() -> None:
+    """A config without ``aux_output_config`` (a test's stand-in config, say) is R3 off:
+    upstream's call, counted, never an ``AttributeError`` upstream's call would not raise."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from prime_r3.fixes import output_turns
+
+    async def upstream() -> str:
+        return "step"
+
+    client = SimpleNamespace(vllm_config=SimpleNamespace(), outputs_queue=None)
+    before = output_turns.COUNTERS.snapshot()["r3_off"]
+    got = asyncio.run(output_turns._turn_then(upstream, client, (), {}))
+    assert got == "step"
+    assert output_turns.COUNTERS.snapshot()["r3_off"] == before + 1

@@ -16,8 +16,9 @@ requests), for k times a step's cost. With R3 a step costs more (each output's r
 so backlogs are longer.
 
 The fast case. R3 on in this client (``vllm_config.aux_output_config.
-enable_return_routed_experts``, read on every call) and a step already queued when the
-handler asks for the next one: one ``await asyncio.sleep(0)`` (a turn of the loop),
+enable_return_routed_experts``, read on every call; a config without it counts as R3
+off, so the wrapper never raises where upstream's call would not) and a step already
+queued when the handler asks for the next one: one ``await asyncio.sleep(0)`` (a turn of the loop),
 then upstream's ``get_output_async``. Only the handler takes from the queue, so the step
 is still there and upstream's call returns it without waiting.
 
@@ -74,7 +75,8 @@ def _get_output_async(params: Mapping[str, Any]) -> WrapperFn:
 
 async def _turn_then(wrapped: Any, client: Any, args: Any, kwargs: Any) -> Any:
     """A turn of the loop if a step is already queued (R3 on), then upstream's call."""
-    if not client.vllm_config.aux_output_config.enable_return_routed_experts:
+    aux = getattr(getattr(client, "vllm_config", None), "aux_output_config", None)
+    if not getattr(aux, "enable_return_routed_experts", False):  # a config without it too
         COUNTERS.r3_off += 1
     else:
         queued = client.outputs_queue

@@ -440,7 +440,9 @@ def _overlay_state() -> dict[str, Any]:
 def _config_with_r3() -> None:
     """The API server's ``VllmConfig`` with ``enable_return_routed_experts`` on, set after
     vLLM built and checked it (its check wants Model Runner V2, which the front end never
-    runs). Only this benchmark's server process does this."""
+    runs). Only this benchmark's server process does this. Nothing else in the front end
+    reads the flag; it is part of the config's hash, so both R3 arms' responses carry
+    another ``system_fingerprint`` than the off arm's, as a real R3 server's do."""
     from vllm.engine.arg_utils import EngineArgs
 
     create = EngineArgs.create_engine_config

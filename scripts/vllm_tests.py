@@ -23,8 +23,7 @@ The sdist is fetched once per release with pip's ordinary client (``pip download
 --no-deps --no-binary :all:``; pip builds an sdist's metadata before it keeps it, so the
 build runs without isolation, with ``VLLM_TARGET_DEVICE=empty`` and the version pinned by
 ``VLLM_VERSION_OVERRIDE`` so the metadata matches the name, and with vLLM's two pure-Python
-build requirements pip lacks here installed beside it by ``pip install --target``, for
-that fetch only: CI fetches two releases at once).
+build requirements pip lacks here installed into the cache by ``pip install --target``).
 Only ``tests/`` and ``pyproject.toml`` are kept, in ``.cache/vllm-tests/<release>/`` (git
 -ignored); the sdist itself is deleted. pytest runs there with ``--rootdir`` on it, so
 vLLM's own ``[tool.pytest.ini_options]`` applies, not prime_r3's.
@@ -197,8 +196,9 @@ def fetch_tests(release: str, cache: Path = CACHE) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"vllm-{release}-", dir=cache) as tmp:
         work = Path(tmp)
-        tools = work / "build-tools"
-        _pip("install", "-q", "--target", str(tools), "setuptools-rust", "setuptools-scm")
+        tools = cache / "build-tools"
+        if not (tools / "setuptools_rust").is_dir() or not (tools / "setuptools_scm").is_dir():
+            _pip("install", "-q", "--target", str(tools), "setuptools-rust", "setuptools-scm")
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(tools), env.get("PYTHONPATH", "")]).rstrip(":")
         env["VLLM_TARGET_DEVICE"] = "empty"

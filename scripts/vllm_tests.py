@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib.metadata
 import os
 import re
@@ -186,6 +187,10 @@ def _pip(*args: str, env: dict[str, str] | None = None) -> None:
     subprocess.run([sys.executable, "-m", "pip", *args], check=True, env=env)
 
 
+def _has_build_tools(tools: Path) -> bool:
+    return (tools / "setuptools_rust").is_dir() and (tools / "setuptools_scm").is_dir()
+
+
 def fetch_tests(release: str, cache: Path = CACHE) -> Path:
     """``cache/<release>`` holding the release's ``tests/`` and ``pyproject.toml``;
     fetched on first use, reused after."""
@@ -197,8 +202,16 @@ def fetch_tests(release: str, cache: Path = CACHE) -> Path:
     with tempfile.TemporaryDirectory(prefix=f"vllm-{release}-", dir=cache) as tmp:
         work = Path(tmp)
         tools = cache / "build-tools"
-        if not (tools / "setuptools_rust").is_dir() or not (tools / "setuptools_scm").is_dir():
-            _pip("install", "-q", "--target", str(tools), "setuptools-rust", "setuptools-scm")
+        if not _has_build_tools(tools):
+            # Installed in the fetch's own directory, then renamed into place (CI's two lanes
+            # may fetch at once); a leftover or another fetch's tools there: this fetch
+            # uses its own.
+            fresh = work / "build-tools"
+            _pip("install", "-q", "--target", str(fresh), "setuptools-rust", "setuptools-scm")
+            with contextlib.suppress(OSError):
+                fresh.rename(tools)
+            if not _has_build_tools(tools):
+                tools = fresh
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(tools), env.get("PYTHONPATH", "")]).rstrip(":")
         env["VLLM_TARGET_DEVICE"] = "empty"

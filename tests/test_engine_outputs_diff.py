@@ -21,6 +21,8 @@ import pytest
 from tests import engine_outputs_scenarios as scenarios
 from tests.test_upstream_diffs import RELEASE, ROOT, SITE, patches
 
+#: the patched tree against the installed release (CI: default release only)
+pytestmark = pytest.mark.tree_parity
 PACKED = ("decode_400", "mixed", "uint16", "prefill")
 AS_UPSTREAM = ("mixed_dtypes", "mixed_shapes", "one_with_rows", "none", "empty", "large")
 

@@ -26,6 +26,8 @@ from prime_r3.bench import wave
 from tests.test_front_end_parity import SHAPE, _routed_experts, _stream_content, run_parity_wave
 from tests.test_upstream_diffs import RELEASE, ROOT, SITE, patches
 
+#: the patched tree against the installed release (CI: default release only)
+pytestmark = pytest.mark.tree_parity
 ADDED = ("RoutedExpertsRows", "_routed_experts_base64", "GenerateJSONResponse")
 
 

@@ -701,5 +701,8 @@ def test_b64_off_loop_passes_outputs_on_and_hands_the_same_string() -> None:
     assert response_b64.encode(big, numpy2base64) == numpy2base64(big)
     assert response_b64.COUNTERS.snapshot()["off_loop"] == 1 and not response_b64._ENCODED
     asyncio.run(run())
+    # The worker thread drops its work item (which holds the array) only after it sets the
+    # result; a no-op behind it on the one thread means it has.
+    response_b64.off_loop_executor().submit(lambda: None).result()
     del results[1], big
     assert not response_b64._ENCODED  # gone with its array

@@ -14,7 +14,8 @@ The parity tests build one patched copy of the installed ``vllm`` package per se
 ``tests/diffs_scenarios.py`` twice in subprocesses: on the overlay (installed vLLM,
 every applicable prime_r3 patch applied) and on the diffs (``PRIME_R3=0``, the patched
 copy first on ``sys.path``). The scenarios drive vLLM's real code through the project's
-parity harnesses; here the two runs must agree.
+parity harnesses; here the two runs must agree. Those tests, and the upstream-form
+worker runs, are marked ``tree_parity`` (CI runs them on the default release only).
 """
 
 from __future__ import annotations
@@ -530,6 +531,7 @@ def _pair(results: dict[str, Any], scenario: str, patch: str) -> tuple[Any, Any]
     return overlay, diffs
 
 
+@pytest.mark.tree_parity
 def test_the_runs_used_the_intended_trees(results: dict[str, Any], patched_tree: Path) -> None:
     overlay, diffs = results["overlay"]["meta"], results["diffs"]["meta"]
     assert overlay["applied"] == sorted(EXPECTED[RELEASE] + PENDING[RELEASE] + list(CARRIED))
@@ -538,6 +540,7 @@ def test_the_runs_used_the_intended_trees(results: dict[str, Any], patched_tree:
     assert Path(diffs["vllm_file"]).is_relative_to(patched_tree)
 
 
+@pytest.mark.tree_parity
 def test_store_victims_and_growth_match(results: dict[str, Any]) -> None:
     """store_harness.run_sequence: every op checked against the release's own store."""
     overlay, diffs = _pair(results, "store_sequences", "store_growth")
@@ -546,6 +549,7 @@ def test_store_victims_and_growth_match(results: dict[str, Any]) -> None:
     assert no_room > 50 and sum(c["grown"] for c in diffs["per_seed"]) == no_room
 
 
+@pytest.mark.tree_parity
 def test_store_pile_up_rotation_matches(results: dict[str, Any]) -> None:
     """The whole LRU (referenced keys' positions too) after a pile-up, pass and release."""
     overlay, diffs = _pair(results, "store_pile_up", "store_eviction")
@@ -555,6 +559,7 @@ def test_store_pile_up_rotation_matches(results: dict[str, Any]) -> None:
     assert [k for k, _ in first[-800:]] == [f"r{i}" for i in range(800)]
 
 
+@pytest.mark.tree_parity
 def test_arena_mapping_and_contents_match(results: dict[str, Any]) -> None:
     """store_arena: the diff builds the same private arena, same slots and bytes."""
     overlay, diffs = _pair(results, "arena", "store_arena")
@@ -564,6 +569,7 @@ def test_arena_mapping_and_contents_match(results: dict[str, Any]) -> None:
     assert len(diffs["slots"]) == 48  # full: 12 evicted
 
 
+@pytest.mark.tree_parity
 def test_headroom_sizing_matches(results: dict[str, Any]) -> None:
     overlay, diffs = _pair(results, "headroom", "store_headroom")
     assert diffs["sizes"] == overlay["sizes"]
@@ -581,6 +587,7 @@ def _outcomes(report: list[tuple[Any, Any]]) -> list[Any]:
     return [outcome for outcome, _ in report]
 
 
+@pytest.mark.tree_parity
 def test_packed_rows_match_through_the_real_worker_and_take_output(results: dict[str, Any]) -> None:
     overlay, diffs = _pair(results, "packed_worker", "packed_outputs")
     assert len(diffs["steps"]) == len(overlay["steps"]) == len(overlay["upstream"])
@@ -602,6 +609,7 @@ def test_packed_rows_match_through_the_real_worker_and_take_output(results: dict
                 assert kept[1] or not kept_upstream[1]
 
 
+@pytest.mark.tree_parity
 def test_packed_rows_match_through_the_message_queue(results: dict[str, Any]) -> None:
     overlay, diffs = _pair(results, "packed_message_queue", "packed_outputs")
     assert len(diffs["reports"]) == 2 * (4 + 5)  # 4 generated steps, 5 worker steps, twice
@@ -617,6 +625,7 @@ def test_packed_rows_match_through_the_message_queue(results: dict[str, Any]) ->
 TAKE_MEMORY_N = 400
 
 
+@pytest.mark.tree_parity
 def test_a_taken_step_holds_its_rows_once_as_on_the_overlay(results: dict[str, Any]) -> None:
     """batched_take's upstream form, in 02's take_output: a received step taken request
     by request gives upstream's rows (the release's take_output on upstream's dict), each
@@ -645,6 +654,7 @@ def test_a_taken_step_holds_its_rows_once_as_on_the_overlay(results: dict[str, A
         assert ours["repickled_same_rows"] and theirs["repickled_same_rows"], key
 
 
+@pytest.mark.tree_parity
 def test_ray_detach_matches(results: dict[str, Any]) -> None:
     overlay, diffs = _pair(results, "ray_detach", "packed_outputs")
     if RELEASE == "0.33.0":
@@ -654,6 +664,7 @@ def test_ray_detach_matches(results: dict[str, Any]) -> None:
     assert _outcomes(diffs["report"]) == _outcomes(overlay["report"])
 
 
+@pytest.mark.tree_parity
 def test_gc_thresholds_match(results: dict[str, Any]) -> None:
     """Worker warm-ups, EngineCore freezes and shutdowns, the API server: same thresholds."""
     overlay, diffs = _pair(results, "gc", "engine_gc")
@@ -695,6 +706,7 @@ def test_gc_thresholds_match(results: dict[str, Any]) -> None:
     assert diffs["values"]["50_000,20,100"][1] == (50_000, 20, 100)
 
 
+@pytest.mark.tree_parity
 def test_overlay_skips_every_patch_on_the_patched_tree(results: dict[str, Any]) -> None:
     """Installing prime_r3 into an image built with the diffs cannot apply a fix twice."""
     outcomes = results["diffs"]["meta"]["overlay_if_enabled"]
@@ -713,6 +725,7 @@ META_ERRORS = {  # what upstream raises in each case (each release's real code)
 }
 
 
+@pytest.mark.tree_parity
 def test_meta_steps_match_upstream_on_the_real_connector(results: dict[str, Any]) -> None:
     """build_connector_meta, diff against overlay and against upstream (the installed
     release's code, the overlay run with batched_meta reverted): every step's metadata
@@ -738,6 +751,7 @@ def test_meta_steps_match_upstream_on_the_real_connector(results: dict[str, Any]
     assert overlay["counters"]["fast_requests"] > 5_000  # and the overlay's
 
 
+@pytest.mark.tree_parity
 def test_meta_simulator_runs_match_upstream(results: dict[str, Any]) -> None:
     """tests/test_batched_meta.py's workload (the bench's simulator around vLLM's real
     Scheduler: prefix hits, chunked prefill, preemption, aborts, prompt starts, async
@@ -799,6 +813,7 @@ def upstream_form(patched_tree: Path, tmp_path_factory: pytest.TempPathFactory) 
     return found
 
 
+@pytest.mark.tree_parity
 def test_upstream_form_worker_matches_the_installed_one(
     upstream_form: dict[str, Any], patched_tree: Path
 ) -> None:
@@ -830,6 +845,7 @@ def test_upstream_form_worker_matches_the_installed_one(
     assert small["ends"].get(("AssertionError", "auxiliary output block pool is exhausted"), 0)
 
 
+@pytest.mark.tree_parity
 def test_upstream_form_worker_matches_on_steps_the_workload_never_makes(
     upstream_form: dict[str, Any],
 ) -> None:

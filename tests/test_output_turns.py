@@ -95,9 +95,29 @@ def test_upstream_works_off_a_backlog_in_one_turn_the_overlay_turns_per_step(
         assert all(t >= 1 for t in runs[arm]["turns_before"][1:]), runs[arm]
     counters = runs["overlay"]["counters"]
     # The cancelled call and the STEPS calls after it each found a step queued.
-    assert counters == {"turns": STEPS + 1, "waited": 0, "r3_off": 0}, counters
+    assert counters == {**_NONE, "turns": STEPS + 1}, counters
     # R3 off: upstream's calls, the first taking its step before the cancel (12 in all).
-    assert runs["overlay_r3_off"]["counters"] == {"turns": 0, "waited": 0, "r3_off": STEPS}
+    assert runs["overlay_r3_off"]["counters"] == {**_NONE, "r3_off": STEPS}
+
+
+_NONE = {"turns": 0, "waited": 0, "r3_off": 0, "socket_turns": 0, "socket_foreign": 0}
+
+
+def test_upstreams_socket_task_queues_a_backlog_in_one_turn_the_overlay_one_per_turn(
+    runs: dict,
+) -> None:
+    # Upstream: pyzmq's done futures let the socket task receive every waiting step at
+    # once (all STEPS, or all but the first if that one woke it on its own).
+    for arm in ("upstream", "overlay_r3_off", "diffs_r3_off"):
+        assert max(runs[arm]["queued_per_turn"]) >= STEPS - 1, (arm, runs[arm])
+    # The fix: the first receive after waiting (its future pending) does not know yet
+    # that it is behind, the second finds a message waiting; from then on one a turn.
+    for arm in ("overlay", "diffs"):
+        assert sum(runs[arm]["queued_per_turn"]) == STEPS, (arm, runs[arm])
+        assert max(runs[arm]["queued_per_turn"]) <= 2, (arm, runs[arm])
+    socket = runs["overlay"]["socket_counters"]
+    assert socket["socket_turns"] >= STEPS - 2 and socket["socket_foreign"] == 0, socket
+    assert runs["overlay_r3_off"]["socket_counters"]["socket_turns"] == 0
 
 
 def test_a_call_cancelled_during_its_turn_takes_no_step(runs: dict) -> None:
@@ -123,8 +143,9 @@ def test_a_call_on_an_empty_queue_waits_and_an_engine_death_raises_as_upstream(
 
 
 def test_no_client_class_of_the_release_overrides_the_target() -> None:
-    """The DP clients inherit ``AsyncMPClient.get_output_async``, so the patch covers
-    them; an override in a release would be a client the patch silently misses."""
+    """The DP clients inherit ``AsyncMPClient.get_output_async`` and
+    ``_ensure_output_queue_task``, so the patch covers them; an override in a release
+    would be a client the patch silently misses."""
     import inspect
 
     from vllm.v1.engine import core_client
@@ -135,7 +156,8 @@ def test_no_client_class_of_the_release_overrides_the_target() -> None:
         if issubclass(cls, core_client.AsyncMPClient) and cls is not core_client.AsyncMPClient
     ]
     assert clients, "no subclass of AsyncMPClient found"
-    assert [c.__name__ for c in clients if "get_output_async" in vars(c)] == []
+    for target in ("get_output_async", "_ensure_output_queue_task"):
+        assert [c.__name__ for c in clients if target in vars(c)] == [], target
 
 
 def test_a_client_whose_config_lacks_the_flag_gets_upstreams_call() -> None:
@@ -154,3 +176,111 @@ def test_a_client_whose_config_lacks_the_flag_gets_upstreams_call() -> None:
     got = asyncio.run(output_turns._turn_then(upstream, client, (), {}))
     assert got == "step"
     assert output_turns.COUNTERS.snapshot()["r3_off"] == before + 1
+
+
+class _Socket:
+    """An object with a class ``recv_multipart`` and a ``__dict__``, as pyzmq's sockets."""
+
+    def recv_multipart(self, *args: Any, **kwargs: Any) -> Any:
+        return ("class", args, kwargs)
+
+
+def _client(socket: Any, r3: bool = True) -> Any:
+    from types import SimpleNamespace
+
+    aux = SimpleNamespace(enable_return_routed_experts=r3)
+    return SimpleNamespace(
+        vllm_config=SimpleNamespace(aux_output_config=aux),
+        resources=SimpleNamespace(output_socket=socket, output_queue_task=None),
+    )
+
+
+def test_the_socket_gets_its_recv_only_with_r3_on_and_revert_takes_it_back() -> None:
+    from prime_r3.fixes import output_turns
+
+    on, off = _Socket(), _Socket()
+    output_turns._socket_turns(lambda: None, _client(on), (), {})
+    output_turns._socket_turns(lambda: None, _client(off, r3=False), (), {})
+    assert "recv_multipart" in vars(on) and "recv_multipart" not in vars(off)
+    assert output_turns.SPEC.on_revert is output_turns._forget_sockets
+    output_turns._forget_sockets()
+    assert "recv_multipart" not in vars(on)
+    assert on.recv_multipart(1, copy=False) == ("class", (1,), {"copy": False})
+
+
+def test_a_socket_with_its_own_recv_is_left_as_found() -> None:
+    from prime_r3.fixes import output_turns
+
+    def foreign(*args: Any, **kwargs: Any) -> str:
+        return "foreign"
+
+    sock = _Socket()
+    sock.recv_multipart = foreign
+    before = output_turns.COUNTERS.snapshot()["socket_foreign"]
+    output_turns._socket_turns(lambda: None, _client(sock), (), {})
+    assert vars(sock)["recv_multipart"] is foreign
+    assert output_turns.COUNTERS.snapshot()["socket_foreign"] == before + 1
+    output_turns._forget_sockets()  # not ours: stays
+    assert vars(sock)["recv_multipart"] is foreign
+
+
+def test_no_task_made_leaves_the_socket_as_it_was() -> None:
+    """The constructor's call without a running loop: upstream raises, nothing stays."""
+    from prime_r3.fixes import output_turns
+
+    def no_loop() -> None:
+        raise RuntimeError("no running event loop")
+
+    sock = _Socket()
+    with pytest.raises(RuntimeError, match="no running event loop"):
+        output_turns._socket_turns(no_loop, _client(sock), (), {})
+    assert "recv_multipart" not in vars(sock)
+
+
+def test_the_socket_recv_awaits_the_class_methods_future_and_turns_when_behind() -> None:
+    import asyncio
+
+    from prime_r3.fixes import output_turns
+
+    class Waiting(_Socket):
+        """Messages 0 and 1 are already waiting (done futures); 2 is not yet."""
+
+        made = 0
+
+        def recv_multipart(self, *args: Any, **kwargs: Any) -> Any:
+            future = asyncio.get_running_loop().create_future()
+            k, Waiting.made = Waiting.made, Waiting.made + 1
+            if k < 2:
+                future.set_result((k, args, kwargs))
+            else:
+                asyncio.get_running_loop().call_later(0.01, future.set_result, (k, args, kwargs))
+            return future
+
+    async def main() -> list[tuple[Any, int]]:
+        sock = Waiting()
+        output_turns._socket_turns(lambda: None, _client(sock), (), {})
+        turns = 0
+
+        async def ticker() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        ticking = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        got = []
+        for _ in range(4):
+            start = turns
+            got.append((await sock.recv_multipart(copy=False), turns - start))
+        ticking.cancel()
+        output_turns._forget_sockets()
+        return got
+
+    before = output_turns.COUNTERS.snapshot()["socket_turns"]
+    got = asyncio.run(main())
+    assert [message for message, _ in got] == [(k, (), {"copy": False}) for k in range(4)]
+    # None before 0; 0 and 1 were waiting: a turn before 1 and before 2 (which then
+    # waits, the loop turning meanwhile); 2 was not waiting: none before 3 (which waits).
+    assert [t for _, t in got][:2] == [0, 1] and got[2][1] >= 1 and got[3][1] >= 1
+    assert output_turns.COUNTERS.snapshot()["socket_turns"] == before + 2

@@ -8,7 +8,8 @@ thread. While the event loop is blocked, the engine sends ``STEPS`` steps; once 
 client's socket task has queued them all, a consumer takes them with
 ``get_output_async`` as ``AsyncLLM``'s output handler does, while a ticker task counts
 the loop's turns. Records: each step as received (its outputs described field by field),
-the turns the ticker got before each step reached the consumer, the patch's counters,
+the steps the socket task queued in each turn of the loop while the backlog arrived, the
+turns the ticker got before each step reached the consumer, the patch's counters,
 what a cancellation during a call leaves in the queue, a call made on an empty queue,
 and what a call raises once the engine died.
 """
@@ -71,11 +72,14 @@ def run(r3: bool) -> dict[str, Any]:
         threads = [made[0], _start_output_thread(engine, [out0])]
         client._ensure_output_queue_task()
         turns = 0
+        intake: list[int] = []  # the queue's size at each turn while the backlog arrives
 
         async def ticker() -> None:
             nonlocal turns
             while True:
                 turns += 1
+                if len(intake) < 10_000 and (not intake or intake[-1] < STEPS):
+                    intake.append(client.outputs_queue.qsize())
                 await asyncio.sleep(0)
 
         ticking = asyncio.create_task(ticker())
@@ -88,6 +92,7 @@ def run(r3: bool) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"only {client.outputs_queue.qsize()} steps queued")
             await asyncio.sleep(0.01)
+        socket_counters = output_turns.COUNTERS.snapshot()
         output_turns.COUNTERS.reset()
 
         # A call cancelled while it gives its turn takes no step.
@@ -137,6 +142,8 @@ def run(r3: bool) -> dict[str, Any]:
                 for s in received
             ],
             "turns_before": turns_before,
+            "queued_per_turn": [b - a for a, b in zip(intake, intake[1:], strict=False)],
+            "socket_counters": socket_counters,
             "counters": counters,
             "waited_done_early": waited_done,
             "after_wait": _describe(after_wait),

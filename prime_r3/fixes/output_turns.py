@@ -1,50 +1,67 @@
-"""output_turns: the API server's output handler gives the event loop a turn per queued step.
+"""output_turns: the API server's output path gives the event loop a turn per queued step.
 
-What it replaces. ``AsyncMPClient.get_output_async`` (``vllm.v1.engine.core_client``),
-which ``AsyncLLM``'s output handler (``_run_output_handler``'s ``output_handler`` task, on
-the API server's event loop) awaits once per engine step; the DP clients
-(``DPAsyncMPClient``, ``DPLBAsyncMPClient``) inherit it. Upstream, the client's socket
-task (``_ensure_output_queue_task``'s ``process_outputs_socket``) puts every decoded step
-on ``outputs_queue`` (an ``asyncio.Queue``, made in ``AsyncMPClient.__init__``);
-``await outputs_queue.get()`` returns at once while a step is queued, and the handler's
-``process_outputs`` of at most ``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE`` outputs (128 by
-default) never yields. So once the handler is k steps behind the engine (after a GC
-pause, a burst of responses, a slow step), it works off all k in one turn of the loop
-(it suspends in between only to send aborts for stop strings): no other task, timer or
-connection runs meanwhile (``/health``, the serving coroutines sending responses, new
-requests), for k times a step's cost. With R3 a step costs more (each output's rows),
-so backlogs are longer.
+What it replaces. Two places of ``vllm.v1.engine.core_client`` that work off a backlog of
+engine steps in one turn of the API server's event loop:
 
-The fast case. R3 on in this client (``vllm_config.aux_output_config.
-enable_return_routed_experts``, read on every call; a config without it counts as R3
-off, so the wrapper never raises where upstream's call would not) and a step already
-queued when the handler asks for the next one: one ``await asyncio.sleep(0)`` (a turn of
-the loop), then upstream's ``get_output_async``. Only the handler takes from the queue, so the step
-is still there and upstream's call returns it without waiting.
+* ``AsyncMPClient.get_output_async``, which ``AsyncLLM``'s output handler
+  (``_run_output_handler``'s ``output_handler`` task) awaits once per engine step; the DP
+  clients (``DPAsyncMPClient``, ``DPLBAsyncMPClient``) inherit it. ``await
+  outputs_queue.get()`` (an ``asyncio.Queue``, made in ``AsyncMPClient.__init__``)
+  returns at once while a step is queued, and the handler's ``process_outputs`` of at
+  most ``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE`` outputs (128 by default) never yields: a
+  handler k steps behind works all k off in one turn (it suspends in between only to
+  send aborts for stop strings).
+* ``AsyncMPClient._ensure_output_queue_task``, which makes the client's socket task
+  (``process_outputs_socket``: receive, decode, queue, per step). pyzmq's
+  ``recv_multipart`` on a socket with a message already waiting returns a done future,
+  so awaiting it does not suspend: a socket task behind the engine receives and decodes
+  every waiting step in one turn.
 
-Otherwise upstream's call unchanged: the queue empty or not made yet (upstream's call
-waits for the next step, which gives the loop its turn anyway; counted ``waited``), or R3
-off (``r3_off``). ``turns`` counts the turns given. ``live_note`` says in ``status`` and
-the log which of these this process has seen.
+Meanwhile no other task, timer or connection runs (``/health``, the serving coroutines
+sending responses, new requests). With R3 a step costs more (each output's rows, and a
+request's first output carries its prompt's), so backlogs are longer.
 
-Why the result equals upstream's. The wrapper takes nothing from the queue and catches
-nothing: every step reaches the handler in the same order as the same object, and an
-exception on the queue (``EngineDeadError`` included) raises from upstream's call as
-before. The turn comes before the step is taken, so a cancellation during it leaves the
-step queued, as a cancellation of upstream's waiting ``get`` does (only ``shutdown``
-cancels the handler; nothing reads the queue after it). What changes is when the
-handler runs: between two queued steps, the tasks and callbacks that were ready run
-once. A streamed response may then get a backlog's tokens in more, smaller chunks
-(its collector merges only the steps that arrived before it ran); the content is the
-same. The socket task still decodes every frame that is waiting before it yields (a
-done future from pyzmq's ``recv_multipart`` returns without suspending); with
-``packed_hop`` a step's decode is ~0.1 ms at 100 outputs.
+The fast case, R3 on in this client (``vllm_config.aux_output_config.
+enable_return_routed_experts``; a config without it counts as R3 off, so no wrapper
+raises where upstream's call would not):
+
+* the handler asks for a step and one is already queued: one ``await asyncio.sleep(0)``
+  (a turn of the loop), then upstream's ``get_output_async``. Only the handler takes
+  from the queue, so the step is still there and upstream's call returns it at once
+  (``turns``). The queue empty or not made yet: upstream's call, which waits for the
+  next step and so gives the loop its turn anyway (``waited``);
+* upstream makes the socket task: just before, the client's output socket gets its own
+  ``recv_multipart`` (an attribute of that socket object; the closure looks the method
+  up on it for every receive), which calls the socket class's method with the same
+  arguments and awaits the same future, and, if the previous receive found a message
+  already waiting (its future was done), first gives the loop one turn
+  (``socket_turns``). It holds the socket by a weak reference only. A socket whose own
+  ``__dict__`` already has a ``recv_multipart`` (someone else's), or has no ``__dict__``,
+  is left as found (``socket_foreign``); if upstream's call raises (no running loop: the
+  constructor's attempt), the attribute is removed again, so a later call starts afresh.
+
+Otherwise upstream's calls unchanged: R3 off (``r3_off``; no socket attribute), or a
+socket task already made. ``revert`` removes the attribute from every socket that still
+has this patch's function (the socket task's next receive is the class's method again).
+``live_note`` says in ``status`` and the log which of these this process has seen.
+
+Why the result equals upstream's. Neither wrapper takes, reorders or catches anything:
+every message is received by the socket class's own method with the caller's arguments,
+every step reaches the queue and the handler in the same order as the same object, and
+an error (``EngineDeadError``, a closed socket) raises where upstream's does. A turn
+comes before a receive or a ``get``, so a cancellation during it leaves the message in
+the socket or the step in the queue, as a cancellation of upstream's waiting call does
+(only ``shutdown`` cancels these tasks). What changes is when they run: between two
+waiting steps, the tasks and callbacks that were ready run once. A streamed response
+may then get a backlog's tokens in more, smaller chunks (its collector merges only the
+steps that arrived before it ran); the content is the same.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import weakref
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from prime_r3.counts import Counts
@@ -53,17 +70,87 @@ from prime_r3.spec import Anchor, PatchSpec, Process, Target, WrapperFn
 _CLIENT = "vllm.v1.engine.core_client"
 _ASYNC_LLM = "vllm.v1.engine.async_llm"
 
-COUNTERS = Counts("turns", "waited", "r3_off")
+COUNTERS = Counts("turns", "waited", "r3_off", "socket_turns", "socket_foreign")
 
 
 def live_note() -> str:
     """What the patch has done in this process (``prime-r3 status``, the log)."""
     c = COUNTERS.snapshot()
+    sockets = f"socket turns {c['socket_turns']}"
+    if c["socket_foreign"]:
+        sockets += f", sockets left as found {c['socket_foreign']}"
     if not (c["turns"] or c["waited"] or c["r3_off"]):
-        return "no output handler has asked for a step in this process yet"
+        return f"no output handler has asked for a step in this process yet; {sockets}"
     if c["r3_off"] and not (c["turns"] or c["waited"]):
         return f"R3 is off in this client: upstream's calls ({c['r3_off']})"
-    return f"turns given {c['turns']}, calls that waited {c['waited']}, R3 off {c['r3_off']}"
+    return (
+        f"turns given {c['turns']}, calls that waited {c['waited']}, R3 off {c['r3_off']}; "
+        + sockets
+    )
+
+
+def _output_task(params: Mapping[str, Any]) -> WrapperFn:
+    return _socket_turns
+
+
+#: Each output socket given a ``recv_multipart`` -> that function (``revert`` removes it).
+_TURNING: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _socket_turns(wrapped: Any, client: Any, args: Any, kwargs: Any) -> Any:
+    """The wrapper of ``_ensure_output_queue_task`` (wrapt's ``wrapped, instance, args,
+    kwargs``): with R3 on, before upstream makes the socket task, the client's output
+    socket gets ``_turning_recv``; then upstream's call, whatever it returns or raises."""
+    resources = client.resources
+    sock = resources.output_socket
+    if resources.output_queue_task is not None or sock is None or not _r3_on(client):
+        return wrapped(*args, **kwargs)  # no task to make, or R3 off: upstream's call
+    own = getattr(sock, "__dict__", None)
+    if own is None or "recv_multipart" in own:  # not ours to wrap: upstream's socket task
+        COUNTERS.socket_foreign += 1
+        return wrapped(*args, **kwargs)
+    own["recv_multipart"] = _turning_recv(sock)
+    try:
+        return wrapped(*args, **kwargs)
+    except BaseException:  # no task made (no running loop): the socket as it was
+        own.pop("recv_multipart", None)
+        raise
+
+
+def _turning_recv(sock: Any) -> Callable[..., Awaitable[Any]]:
+    """``sock.recv_multipart`` for the socket task: a turn of the loop before a receive
+    if the previous one found a message already waiting, then the class's method (looked
+    up on the socket's class at each call)."""
+    ref, behind = weakref.ref(sock), False
+
+    async def recv_multipart(*args: Any, **kwargs: Any) -> Any:
+        nonlocal behind
+        if behind:
+            COUNTERS.socket_turns += 1
+            await asyncio.sleep(0)
+        socket = ref()  # alive: the socket task's closure holds it
+        future = type(socket).recv_multipart(socket, *args, **kwargs)
+        del socket
+        behind = isinstance(future, asyncio.Future) and future.done()
+        return await future
+
+    _TURNING[sock] = recv_multipart
+    return recv_multipart
+
+
+def _forget_sockets() -> None:
+    """``revert``: every socket's own ``recv_multipart`` removed (its class's again)."""
+    for sock, ours in list(_TURNING.items()):
+        own = vars(sock)
+        if own.get("recv_multipart") is ours:
+            del own["recv_multipart"]
+    _TURNING.clear()
+
+
+def _r3_on(client: Any) -> bool:
+    """The client's R3 flag; a config without it counts as R3 off."""
+    aux = getattr(getattr(client, "vllm_config", None), "aux_output_config", None)
+    return bool(getattr(aux, "enable_return_routed_experts", False))
 
 
 def _get_output_async(params: Mapping[str, Any]) -> WrapperFn:
@@ -73,8 +160,7 @@ def _get_output_async(params: Mapping[str, Any]) -> WrapperFn:
 async def _turn_then(wrapped: Any, client: Any, args: Any, kwargs: Any) -> Any:
     """The wrapper (wrapt's ``wrapped, instance, args, kwargs``): a turn of the loop if a
     step is already queued (R3 on), then upstream's call."""
-    aux = getattr(getattr(client, "vllm_config", None), "aux_output_config", None)
-    if not getattr(aux, "enable_return_routed_experts", False):  # a config without it too
+    if not _r3_on(client):
         COUNTERS.r3_off += 1
     else:
         queued = client.outputs_queue
@@ -98,17 +184,20 @@ SPEC = PatchSpec(
     summary="API server: the output handler yields to the event loop between queued steps",
     vllm_range=">=0.31,<0.34",
     processes=frozenset({Process.API_SERVER}),
-    targets=(Target(_CLIENT, "AsyncMPClient.get_output_async", _GET_OUTPUT, _get_output_async),),
+    targets=(
+        Target(_CLIENT, "AsyncMPClient.get_output_async", _GET_OUTPUT, _get_output_async),
+        Target(_CLIENT, "AsyncMPClient._ensure_output_queue_task", _OUTPUT_TASK, _output_task),
+    ),
     anchors=(
         # outputs_queue (an asyncio.Queue), its one producer (the socket task) and its
         # one consumer (the handler's loop: a call per step, process_outputs without a
         # yield), and the R3 flag read on every call (the config is a pydantic
         # dataclass; the method that hashes the flag names it).
         Anchor(_CLIENT, "AsyncMPClient.__init__", _CLIENT_INIT),
-        Anchor(_CLIENT, "AsyncMPClient._ensure_output_queue_task", _OUTPUT_TASK),
         Anchor(_ASYNC_LLM, "AsyncLLM._run_output_handler", _OUTPUT_HANDLER),
         Anchor("vllm.config.aux_output", "AuxOutputConfig.compute_hash", _AUX_CONFIG),
     ),
-    notes="Same steps, same order; only when the handler runs changes.",
+    notes="Same steps, same order; only when the socket task and the handler run changes.",
+    on_revert=_forget_sockets,
     live_note=live_note,
 )

@@ -225,7 +225,7 @@ def test_a_socket_with_its_own_recv_is_left_as_found() -> None:
 
 
 def test_no_task_made_leaves_the_socket_as_it_was() -> None:
-    """The constructor's call without a running loop: upstream raises, nothing stays."""
+    """Upstream's call raises (e.g. no running loop): the socket is left as it was."""
     from prime_r3.fixes import output_turns
 
     def no_loop() -> None:
@@ -280,7 +280,58 @@ def test_the_socket_recv_awaits_the_class_methods_future_and_turns_when_behind()
     before = output_turns.COUNTERS.snapshot()["socket_turns"]
     got = asyncio.run(main())
     assert [message for message, _ in got] == [(k, (), {"copy": False}) for k in range(4)]
-    # None before 0; 0 and 1 were waiting: a turn before 1 and before 2 (which then
-    # waits, the loop turning meanwhile); 2 was not waiting: none before 3 (which waits).
-    assert [t for _, t in got][:2] == [0, 1] and got[2][1] >= 1 and got[3][1] >= 1
+    # None before 0 (its future was done: no suspension); 0 and 1 were waiting: the loop
+    # turned before 1 and before 2 (which then waits); 3 waits too.
+    assert got[0][1] == 0 and all(t >= 1 for _, t in got[1:]), got
     assert output_turns.COUNTERS.snapshot()["socket_turns"] == before + 2
+
+
+def test_the_socket_recv_hands_out_futures() -> None:
+    """Not behind: the class method's own future; behind: a task (a Future: done
+    callbacks, cancel), so a caller of pyzmq's Future API (``recv_serialized``) works."""
+    import asyncio
+
+    from prime_r3.fixes import output_turns
+
+    made: list[Any] = []
+
+    class Waiting(_Socket):
+        def recv_multipart(self, *args: Any, **kwargs: Any) -> Any:
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(len(made))
+            made.append(future)
+            return future
+
+    async def main() -> tuple[Any, Any, list[Any]]:
+        sock = Waiting()
+        output_turns._socket_turns(lambda: None, _client(sock), (), {})
+        first = sock.recv_multipart()
+        second = sock.recv_multipart()  # the first was done: behind
+        called: list[Any] = []
+        second.add_done_callback(called.append)
+        results = [await first, await second]
+        cancelled = sock.recv_multipart()  # behind again: cancelled during its turn
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        output_turns._forget_sockets()
+        return first, second, [results, called == [second], len(made)]
+
+    first, second, (results, called_back, received) = asyncio.run(main())
+    assert type(first) is asyncio.Future and first.result() == 0
+    assert isinstance(second, asyncio.Task) and second.result() == 1
+    assert results == [0, 1] and called_back
+    assert received == 2  # the cancelled call received nothing
+
+
+def test_a_socket_that_cannot_be_weakly_referenced_is_left_as_found() -> None:
+    from prime_r3.fixes import output_turns
+
+    class Unhashable(_Socket):
+        __hash__ = None  # type: ignore[assignment]
+
+    sock = Unhashable()
+    before = output_turns.COUNTERS.snapshot()["socket_foreign"]
+    assert output_turns._socket_turns(lambda: "made", _client(sock), (), {}) == "made"
+    assert "recv_multipart" not in vars(sock)
+    assert output_turns.COUNTERS.snapshot()["socket_foreign"] == before + 1

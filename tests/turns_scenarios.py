@@ -86,7 +86,10 @@ def run(r3: bool) -> dict[str, Any]:
         await asyncio.sleep(0)
         for step in _steps():  # sent while the loop is blocked: a backlog
             engine.output_queue.put_nowait((0, step))
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30  # the output thread took every step ...
+        while not engine.output_queue.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)  # ... and sent it
         deadline = time.monotonic() + 30
         while client.outputs_queue.qsize() < STEPS:
             if time.monotonic() > deadline:

@@ -9,7 +9,7 @@ engine steps in one turn of the API server's event loop:
   outputs_queue.get()`` (an ``asyncio.Queue``, made in ``AsyncMPClient.__init__``)
   returns at once while a step is queued, and the handler's ``process_outputs`` of at
   most ``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE`` outputs (128 by default) never yields: a
-  handler k steps behind works all k off in one turn (it suspends in between only to
+  handler k steps behind works all k off in one turn (it may suspend in between only to
   send aborts for stop strings).
 * ``AsyncMPClient._ensure_output_queue_task``, which makes the client's socket task
   (``process_outputs_socket``: receive, decode, queue, per step). pyzmq's
@@ -32,36 +32,45 @@ raises where upstream's call would not):
   next step and so gives the loop its turn anyway (``waited``);
 * upstream makes the socket task: just before, the client's output socket gets its own
   ``recv_multipart`` (an attribute of that socket object; the closure looks the method
-  up on it for every receive), which calls the socket class's method with the same
-  arguments and awaits the same future, and, if the previous receive found a message
-  already waiting (its future was done), first gives the loop one turn
-  (``socket_turns``). It holds the socket by a weak reference only. A socket whose own
-  ``__dict__`` already has a ``recv_multipart`` (someone else's), or has no ``__dict__``,
-  is left as found (``socket_foreign``); if upstream's call raises (no running loop: the
-  constructor's attempt), the attribute is removed again, so a later call starts afresh.
+  up on it for every receive). While the previous receive's future was pending (or
+  there was none), it returns the future of the socket class's method, called with the
+  same arguments, as is. Once a receive found its message already waiting (its future
+  was done), the next call returns a task (a Future too: awaitable, cancellable, with
+  done callbacks) that gives the loop one turn, then receives the same way and returns
+  that result (``socket_turns``). It holds the socket by a weak reference only. A
+  socket whose own ``__dict__`` already has a ``recv_multipart`` (someone else's), that
+  has no ``__dict__``, or that cannot be weakly referenced or hashed, is left as found
+  (``socket_foreign``); if upstream's call raises (e.g. called with no running loop),
+  the attribute is removed again, so a later call starts afresh.
 
-Otherwise upstream's calls unchanged: R3 off (``r3_off``; no socket attribute), or a
-socket task already made. ``revert`` removes the attribute from every socket that still
-has this patch's function (the socket task's next receive is the class's method again).
-``live_note`` says in ``status`` and the log which of these this process has seen.
+Otherwise upstream's calls unchanged: R3 off (the handler's calls count ``r3_off``; the
+socket gets no attribute), or a socket task already made (a client made before the
+patch was applied keeps upstream's socket task). ``revert`` removes the attribute from
+every socket that still has this patch's function (the socket task's next receive is the
+class's method again). ``live_note`` says in ``status`` and the log which of these this
+process has seen.
 
 Why the result equals upstream's. Neither wrapper takes, reorders or catches anything:
 every message is received by the socket class's own method with the caller's arguments,
 every step reaches the queue and the handler in the same order as the same object, and
-an error (``EngineDeadError``, a closed socket) raises where upstream's does. A turn
-comes before a receive or a ``get``, so a cancellation during it leaves the message in
-the socket or the step in the queue, as a cancellation of upstream's waiting call does
-(only ``shutdown`` cancels these tasks). What changes is when they run: between two
-waiting steps, the tasks and callbacks that were ready run once. A streamed response
-may then get a backlog's tokens in more, smaller chunks (its collector merges only the
-steps that arrived before it ran); the content is the same.
+an error (``EngineDeadError``; a closed socket, which vLLM's shutdown closes and cancels
+the task in the same callback) raises where upstream's does. A turn comes before a
+receive or a ``get``, so a cancellation during it leaves the message in the socket or
+the step in the queue, as a cancellation of upstream's waiting call does (only
+``shutdown`` cancels these tasks). What changes is when they run: between two waiting
+steps, the tasks and callbacks that were ready run once. A streamed response may then
+get a backlog's tokens in more, smaller chunks (its collector merges only the steps that
+arrived before it ran); the content is the same. An engine's death queued behind a
+backlog reaches the client a few turns later than upstream's would; a request added
+meanwhile gets ``EngineDeadError`` from the handler's propagation instead of from
+``add_request``'s check.
 """
 
 from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prime_r3.counts import Counts
@@ -106,33 +115,46 @@ def _socket_turns(wrapped: Any, client: Any, args: Any, kwargs: Any) -> Any:
     if resources.output_queue_task is not None or sock is None or not _r3_on(client):
         return wrapped(*args, **kwargs)  # no task to make, or R3 off: upstream's call
     own = getattr(sock, "__dict__", None)
-    if own is None or "recv_multipart" in own:  # not ours to wrap: upstream's socket task
+    recv = None
+    if own is not None and "recv_multipart" not in own:
+        try:
+            recv = _turning_recv(sock)
+        except TypeError:  # not weakly referenceable or not hashable
+            recv = None
+    if recv is None:  # not ours to wrap: upstream's socket task, the socket as found
         COUNTERS.socket_foreign += 1
         return wrapped(*args, **kwargs)
-    own["recv_multipart"] = _turning_recv(sock)
+    own["recv_multipart"] = recv
     try:
         return wrapped(*args, **kwargs)
-    except BaseException:  # no task made (no running loop): the socket as it was
-        own.pop("recv_multipart", None)
+    except BaseException:  # no task made (e.g. called with no running loop)
+        if own.get("recv_multipart") is recv:
+            del own["recv_multipart"]
         raise
 
 
-def _turning_recv(sock: Any) -> Callable[..., Awaitable[Any]]:
-    """``sock.recv_multipart`` for the socket task: a turn of the loop before a receive
-    if the previous one found a message already waiting, then the class's method (looked
-    up on the socket's class at each call)."""
+def _turning_recv(sock: Any) -> Callable[..., Any]:
+    """``sock.recv_multipart`` for the socket task: the future of the socket class's
+    method (looked up on the socket's class at each call) as is, or, once a receive found
+    its message already waiting, a task that gives the loop one turn, then receives."""
     ref, behind = weakref.ref(sock), False
 
-    async def recv_multipart(*args: Any, **kwargs: Any) -> Any:
+    def receive(*args: Any, **kwargs: Any) -> Any:
         nonlocal behind
-        if behind:
-            COUNTERS.socket_turns += 1
-            await asyncio.sleep(0)
         socket = ref()  # alive: the socket task's closure holds it
         future = type(socket).recv_multipart(socket, *args, **kwargs)
-        del socket
         behind = isinstance(future, asyncio.Future) and future.done()
-        return await future
+        return future
+
+    async def after_a_turn(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0)
+        return await receive(*args, **kwargs)
+
+    def recv_multipart(*args: Any, **kwargs: Any) -> Any:
+        if not behind:
+            return receive(*args, **kwargs)
+        COUNTERS.socket_turns += 1
+        return asyncio.ensure_future(after_a_turn(*args, **kwargs))
 
     _TURNING[sock] = recv_multipart
     return recv_multipart
@@ -181,7 +203,7 @@ _OUTPUT_HANDLER = frozenset({"af9f4cc5aa44a56f", "47a49110a9a7fbcd", "add96d65cc
 
 SPEC = PatchSpec(
     name="output_turns",
-    summary="API server: the output handler yields to the event loop between queued steps",
+    summary="API server: socket task and output handler yield to the loop between waiting steps",
     vllm_range=">=0.31,<0.34",
     processes=frozenset({Process.API_SERVER}),
     targets=(
@@ -189,10 +211,10 @@ SPEC = PatchSpec(
         Target(_CLIENT, "AsyncMPClient._ensure_output_queue_task", _OUTPUT_TASK, _output_task),
     ),
     anchors=(
-        # outputs_queue (an asyncio.Queue), its one producer (the socket task) and its
-        # one consumer (the handler's loop: a call per step, process_outputs without a
-        # yield), and the R3 flag read on every call (the config is a pydantic
-        # dataclass; the method that hashes the flag names it).
+        # outputs_queue (an asyncio.Queue, made in __init__, which also makes the socket
+        # task when a loop is running), its one consumer (the handler's loop: a call per
+        # step, process_outputs without a yield), and the R3 flag (the config is a
+        # pydantic dataclass; the method that hashes the flag names it).
         Anchor(_CLIENT, "AsyncMPClient.__init__", _CLIENT_INIT),
         Anchor(_ASYNC_LLM, "AsyncLLM._run_output_handler", _OUTPUT_HANDLER),
         Anchor("vllm.config.aux_output", "AuxOutputConfig.compute_hash", _AUX_CONFIG),

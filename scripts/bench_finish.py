@@ -81,8 +81,8 @@ def child(responses: int, tokens: int, r3: bool) -> dict[str, Any]:
         digest.update(api_router.JSONResponse(content=response.model_dump()).body)
 
     one(-1, table.copy())  # warm-up: imports, first allocations
-    # Each response's own rows, made before timing; each goes with its response.
-    fresh = [np.roll(table, k, axis=0) for k in range(responses)]
+    # Each response's own rows (R3 arms), made before timing; each goes with its response.
+    fresh = [np.roll(table, k, axis=0) if r3 else None for k in range(responses)]
     before = resource.getrusage(resource.RUSAGE_SELF)
     start = time.process_time()
     for k in range(responses):
@@ -96,9 +96,21 @@ def child(responses: int, tokens: int, r3: bool) -> dict[str, Any]:
         "sha256": digest.hexdigest(),
         "r3": r3,
         "applied": [p for p in benchkit.applied_patches() if "(" not in p],
+        "spliced": _spliced(),
         "package": str(Path(prime_r3.__file__).resolve().parent),
         "vllm": str(Path(vllm.__file__).parent.absolute()),
     }
+
+
+#: What each arm must have run: the patches applied in the child.
+EXPECTED = {"off": [], "upstream": [], "prime": ["response_b64", "response_json"]}
+
+
+def _spliced() -> int:
+    """Strings ``response_json`` spliced in this process (0 where it is not applied)."""
+    from prime_r3.fixes import response_json
+
+    return int(response_json.COUNTERS.strings)
 
 
 def main(argv: list[str]) -> int:
@@ -113,20 +125,25 @@ def main(argv: list[str]) -> int:
     if args.child is not None:
         print(json.dumps(child(args.responses, args.tokens, bool(args.child))))
         return 0
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    arms = list(dict.fromkeys(a.strip() for a in args.arms.split(",") if a.strip()))
     bad = [a for a in arms if a not in ARMS]
-    if bad or args.responses < 1 or args.tokens < 1 or args.rounds < 1:
-        raise SystemExit(
-            f"--arms {','.join(bad)} unknown (valid: {', '.join(ARMS)})"
-            if bad
-            else "--responses, --tokens and --rounds must be at least 1"
-        )
+    if bad or not arms:
+        raise SystemExit(f"--arms {args.arms!r}: choose one or more of {', '.join(ARMS)}")
+    if args.responses < 1 or args.tokens < 1 or args.rounds < 1:
+        raise SystemExit("--responses, --tokens and --rounds must be at least 1")
+    for name in [k for k in os.environ if k.startswith("PRIME_R3")]:
+        del os.environ[name]  # each arm's own settings only (ARMS)
     sizes = ["--responses", str(args.responses), "--tokens", str(args.tokens)]
     results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     for r in range(args.rounds):
         for arm in benchkit.rotated(arms, r):
             argv = ["--child", "0" if arm == "off" else "1", *sizes]
             row = benchkit.run_child(__file__, argv, str(benchkit.ROOT), arm, env=ARMS[arm])
+            if sorted(row["applied"]) != EXPECTED[arm] or (arm == "prime") != (row["spliced"] > 0):
+                raise SystemExit(
+                    f"the {arm} arm ran {row['applied']} ({row['spliced']} strings spliced); "
+                    f"expected {EXPECTED[arm]}: it measured other code"
+                )
             results[arm].append(row)
         print(f"round {r} done", file=sys.stderr, flush=True)
     print(
@@ -141,25 +158,27 @@ def main(argv: list[str]) -> int:
         pairs = list(zip(results["upstream"], results["prime"], strict=True))
         ratios = [a["cpu_ms"] / b["cpu_ms"] for a, b in pairs]
         print(
-            f"  upstream/prime cpu median {statistics.median(ratios):.2f}x "
+            f"  upstream/prime cpu, median of per-round ratios {statistics.median(ratios):.2f}x "
             f"(per round {', '.join(f'{x:.2f}' for x in ratios)})"
         )
-        if "off" in med:
-            off = [row["cpu_ms"] for row in results["off"]]
-            increments = [
-                (a["cpu_ms"] - o) / (b["cpu_ms"] - o) for (a, b), o in zip(pairs, off, strict=True)
-            ]
+        off = [row["cpu_ms"] for row in results.get("off", [])]
+        increments = [
+            (a["cpu_ms"] - o) / (b["cpu_ms"] - o)
+            for (a, b), o in zip(pairs, off, strict=True)
+            if b["cpu_ms"] > o
+        ]
+        if increments:
             print(
-                f"  R3 increment (arm - off) upstream/prime median "
-                f"{statistics.median(increments):.2f}x "
-                f"({med['upstream']['cpu_ms'] - med['off']['cpu_ms']:.2f} -> "
-                f"{med['prime']['cpu_ms'] - med['off']['cpu_ms']:.2f} ms)"
+                f"  R3 increment (arm - off) {med['upstream']['cpu_ms'] - med['off']['cpu_ms']:.2f}"
+                f" -> {med['prime']['cpu_ms'] - med['off']['cpu_ms']:.2f} ms; upstream/prime "
+                f"median of per-round ratios {statistics.median(increments):.2f}x"
             )
     digests = {row["sha256"] for rows in results.values() for row in rows if row["r3"]}
-    print(f"  R3 bodies identical in every arm and round: {len(digests) <= 1}")
+    if "upstream" in arms and "prime" in arms:
+        print(f"  R3 bodies identical in every arm and round: {len(digests) == 1}")
     benchkit.print_applied(arms, results)
     benchkit.write_json(args.json, "finish", vars(args), results)
-    return 0 if len(digests) <= 1 else 1
+    return 0 if len(digests) <= 1 else 1  # one R3 body per round and arm, all the same
 
 
 if __name__ == "__main__":

@@ -324,6 +324,19 @@ def test_the_socket_recv_hands_out_futures() -> None:
     assert received == 2  # the cancelled call received nothing
 
 
+def test_a_socket_whose_class_has_no_recv_is_left_as_found() -> None:
+    """A stand-in socket (a mock's attribute, say) has no class method to call."""
+    from types import SimpleNamespace
+
+    from prime_r3.fixes import output_turns
+
+    sock = SimpleNamespace()
+    before = output_turns.COUNTERS.snapshot()["socket_foreign"]
+    assert output_turns._socket_turns(lambda: "made", _client(sock), (), {}) == "made"
+    assert vars(sock) == {}
+    assert output_turns.COUNTERS.snapshot()["socket_foreign"] == before + 1
+
+
 def test_a_socket_that_cannot_be_weakly_referenced_is_left_as_found() -> None:
     from prime_r3.fixes import output_turns
 

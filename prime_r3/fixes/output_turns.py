@@ -36,12 +36,15 @@ raises where upstream's call would not):
   there was none), it returns the future of the socket class's method, called with the
   same arguments, as is. Once a receive found its message already waiting (its future
   was done), the next call returns a task (a Future too: awaitable, cancellable, with
-  done callbacks) that gives the loop one turn, then receives the same way and returns
-  that result (``socket_turns``). It holds the socket by a weak reference only. A
-  socket whose own ``__dict__`` already has a ``recv_multipart`` (someone else's), that
-  has no ``__dict__``, or that cannot be weakly referenced or hashed, is left as found
-  (``socket_foreign``); if upstream's call raises (e.g. called with no running loop),
-  the attribute is removed again, so a later call starts afresh.
+  done callbacks) that gives the loop a turn (``asyncio.sleep(0)``; with the task's own
+  start and the caller's resumption, three passes of the loop where the diff's inline
+  ``sleep(0)`` takes one), then receives the same way and returns that result
+  (``socket_turns``). It holds the socket by a weak reference only. A socket whose own
+  ``__dict__`` already has a ``recv_multipart`` (someone else's), that has no
+  ``__dict__``, whose class has no ``recv_multipart`` method, or that cannot be weakly
+  referenced or hashed, is left as found (``socket_foreign``); if upstream's call raises
+  (e.g. called with no running loop), the attribute is removed again, so a later call
+  starts afresh.
 
 Otherwise upstream's calls unchanged: R3 off (the handler's calls count ``r3_off``; the
 socket gets no attribute), or a socket task already made (a client made before the
@@ -51,13 +54,17 @@ class's method again). ``live_note`` says in ``status`` and the log which of the
 process has seen.
 
 Why the result equals upstream's. Neither wrapper takes, reorders or catches anything:
-every message is received by the socket class's own method with the caller's arguments,
-every step reaches the queue and the handler in the same order as the same object, and
+every message is received by the socket class's own method with the caller's arguments
+(one receive outstanding at a time: the socket task is the socket's one reader), every
+step reaches the queue and the handler in the same order as the same object, and
 an error (``EngineDeadError``; a closed socket, which vLLM's shutdown closes and cancels
 the task in the same callback) raises where upstream's does. A turn comes before a
 receive or a ``get``, so a cancellation during it leaves the message in the socket or
-the step in the queue, as a cancellation of upstream's waiting call does (only
-``shutdown`` cancels these tasks). What changes is when they run: between two waiting
+the step in the queue, as a cancellation of upstream's waiting call does; one that lands
+after the turn's task received but before the socket task resumed drops that message,
+as upstream's does for a message that arrived while it waited (only the client's
+shutdown, which closes the socket in the same callback, and the loop's own teardown
+cancel these tasks). What changes is when they run: between two waiting
 steps, the tasks and callbacks that were ready run once. A streamed response may then
 get a backlog's tokens in more, smaller chunks (its collector merges only the steps that
 arrived before it ran); the content is the same. An engine's death queued behind a
@@ -116,7 +123,8 @@ def _socket_turns(wrapped: Any, client: Any, args: Any, kwargs: Any) -> Any:
         return wrapped(*args, **kwargs)  # no task to make, or R3 off: upstream's call
     own = getattr(sock, "__dict__", None)
     recv = None
-    if own is not None and "recv_multipart" not in own:
+    method = getattr(type(sock), "recv_multipart", None)
+    if own is not None and "recv_multipart" not in own and callable(method):
         try:
             recv = _turning_recv(sock)
         except TypeError:  # not weakly referenceable or not hashable

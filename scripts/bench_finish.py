@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import os
 import resource
@@ -51,8 +52,6 @@ def child(responses: int, tokens: int, r3: bool) -> dict[str, Any]:
     import prime_r3
 
     prime_r3.apply(log=False)
-    import importlib
-
     import vllm
     from vllm.entrypoints.scale_out.token_in_token_out import api_router, protocol, serving
 

@@ -15,6 +15,7 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -164,7 +165,6 @@ def test_a_client_whose_config_lacks_the_flag_gets_upstreams_call() -> None:
     """A config without ``aux_output_config`` (a test's stand-in config, say) is R3 off:
     upstream's call, counted, never an ``AttributeError`` upstream's call would not raise."""
     import asyncio
-    from types import SimpleNamespace
 
     from prime_r3.fixes import output_turns
 
@@ -186,8 +186,6 @@ class _Socket:
 
 
 def _client(socket: Any, r3: bool = True) -> Any:
-    from types import SimpleNamespace
-
     aux = SimpleNamespace(enable_return_routed_experts=r3)
     return SimpleNamespace(
         vllm_config=SimpleNamespace(aux_output_config=aux),
@@ -206,22 +204,6 @@ def test_the_socket_gets_its_recv_only_with_r3_on_and_revert_takes_it_back() -> 
     output_turns._forget_sockets()
     assert "recv_multipart" not in vars(on)
     assert on.recv_multipart(1, copy=False) == ("class", (1,), {"copy": False})
-
-
-def test_a_socket_with_its_own_recv_is_left_as_found() -> None:
-    from prime_r3.fixes import output_turns
-
-    def foreign(*args: Any, **kwargs: Any) -> str:
-        return "foreign"
-
-    sock = _Socket()
-    sock.recv_multipart = foreign
-    before = output_turns.COUNTERS.snapshot()["socket_foreign"]
-    output_turns._socket_turns(lambda: None, _client(sock), (), {})
-    assert vars(sock)["recv_multipart"] is foreign
-    assert output_turns.COUNTERS.snapshot()["socket_foreign"] == before + 1
-    output_turns._forget_sockets()  # not ours: stays
-    assert vars(sock)["recv_multipart"] is foreign
 
 
 def test_no_task_made_leaves_the_socket_as_it_was() -> None:
@@ -324,27 +306,36 @@ def test_the_socket_recv_hands_out_futures() -> None:
     assert received == 2  # the cancelled call received nothing
 
 
-def test_a_socket_whose_class_has_no_recv_is_left_as_found() -> None:
-    """A stand-in socket (a mock's attribute, say) has no class method to call."""
-    from types import SimpleNamespace
+def _foreign(*args: Any, **kwargs: Any) -> str:
+    return "foreign"
 
+
+def _with_own_recv() -> Any:
+    sock = _Socket()
+    sock.recv_multipart = _foreign
+    return sock
+
+
+class _Unhashable(_Socket):
+    __hash__ = None  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(_with_own_recv, id="its_own_recv"),  # someone else's attribute
+        pytest.param(SimpleNamespace, id="no_class_recv"),  # a stand-in
+        pytest.param(_Unhashable, id="cannot_be_weakly_referenced"),
+    ],
+)
+def test_a_socket_not_ours_to_wrap_is_left_as_found(make: Any) -> None:
     from prime_r3.fixes import output_turns
 
-    sock = SimpleNamespace()
+    sock = make()
+    found = dict(vars(sock))
     before = output_turns.COUNTERS.snapshot()["socket_foreign"]
     assert output_turns._socket_turns(lambda: "made", _client(sock), (), {}) == "made"
-    assert vars(sock) == {}
+    assert vars(sock) == found
     assert output_turns.COUNTERS.snapshot()["socket_foreign"] == before + 1
-
-
-def test_a_socket_that_cannot_be_weakly_referenced_is_left_as_found() -> None:
-    from prime_r3.fixes import output_turns
-
-    class Unhashable(_Socket):
-        __hash__ = None  # type: ignore[assignment]
-
-    sock = Unhashable()
-    before = output_turns.COUNTERS.snapshot()["socket_foreign"]
-    assert output_turns._socket_turns(lambda: "made", _client(sock), (), {}) == "made"
-    assert "recv_multipart" not in vars(sock)
-    assert output_turns.COUNTERS.snapshot()["socket_foreign"] == before + 1
+    output_turns._forget_sockets()  # not ours: stays
+    assert vars(sock) == found

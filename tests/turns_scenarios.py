@@ -17,6 +17,7 @@ and what a call raises once the engine died.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import pickle
 import sys
@@ -145,7 +146,7 @@ def run(r3: bool) -> dict[str, Any]:
                 for s in received
             ],
             "turns_before": turns_before,
-            "queued_per_turn": [b - a for a, b in zip(intake, intake[1:], strict=False)],
+            "queued_per_turn": [b - a for a, b in itertools.pairwise(intake)],
             "socket_counters": socket_counters,
             "counters": counters,
             "waited_done_early": waited_done,

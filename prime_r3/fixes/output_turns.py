@@ -76,6 +76,7 @@ meanwhile gets ``EngineDeadError`` from the handler's propagation instead of fro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -123,12 +124,13 @@ def _socket_turns(wrapped: Any, client: Any, args: Any, kwargs: Any) -> Any:
         return wrapped(*args, **kwargs)  # no task to make, or R3 off: upstream's call
     own = getattr(sock, "__dict__", None)
     recv = None
-    method = getattr(type(sock), "recv_multipart", None)
-    if own is not None and "recv_multipart" not in own and callable(method):
-        try:
+    if (
+        own is not None
+        and "recv_multipart" not in own
+        and callable(getattr(type(sock), "recv_multipart", None))
+    ):
+        with contextlib.suppress(TypeError):  # not weakly referenceable or not hashable
             recv = _turning_recv(sock)
-        except TypeError:  # not weakly referenceable or not hashable
-            recv = None
     if recv is None:  # not ours to wrap: upstream's socket task, the socket as found
         COUNTERS.socket_foreign += 1
         return wrapped(*args, **kwargs)

@@ -12,8 +12,9 @@ Here ``routed_experts_chunks`` is a ``RowChunks`` (a ``list`` subclass, set in
 bytes onto one buffer and drops the chunk, and ``[-1] = prefix`` (upstream's trim of
 tokens dropped after a stop string) rewinds the last chunk and appends the prefix. The
 buffer is a ``bytearray`` while the rows are under ``MAPPED_FROM`` (256 KiB); past that
-they move, once, into a private anonymous mapping (``mmap``), which grows by ``mremap``
-(the kernel moves pages, never the rows; reserved pages hold no memory until written).
+they move, once, into a private anonymous mapping (``mmap``, advised ``MADV_NOHUGEPAGE``),
+which grows by ``mremap`` (the kernel moves pages, never the rows; reserved pages hold no
+memory until written).
 Its list storage stays empty, so upstream's ``if finished and self.routed_experts_chunks``
 builds its output with ``routed_experts=None``; our ``_new_completion_output`` wrapper then
 sets the output's ``routed_experts`` to the rows as one array of their exact size
@@ -36,19 +37,50 @@ Fast case: every chunk an exact ``np.ndarray`` of the first chunk's dtype (one t
 trailing shape (no zero-size dimension, no zero-size items), C-contiguous. Anything
 else (another dtype or shape, which ``np.concatenate`` would promote or refuse; a
 non-contiguous array; any other assignment than ``[-1] =``; a chunk or ``[-1] =`` once
-mapped rows were handed out; no mapping to be had) *spills*: the rows so far become two
-ordinary chunks in the list (copies of those before the last chunk, and of the last
-chunk, so ``[-1]`` still names it) and the list is upstream's from then on (upstream's
-concatenation of ``[rows before, last, chunk, ...]`` equals that of the original
-chunks); counted in ``COUNTERS`` by reason.
+mapped rows were handed out; no mapping to be had, below) *spills*: the rows so far
+become two ordinary chunks in the list (copies of those before the last chunk, and of
+the last chunk, so ``[-1]`` still names it) and the list is upstream's from then on
+(upstream's concatenation of ``[rows before, last, chunk, ...]`` equals that of the
+original chunks); counted in ``COUNTERS`` by reason.
+
 The other list operations are not overridden: code that reads the list directly
 (upstream does not) sees it empty until a spill. On revert every live buffer spills
 (``on_revert``; one with no rows yet sends its first chunk to the list), so a request in
 flight finishes with upstream's own concatenation; revert runs where the buffers are
 appended to (the API server's loop thread), as a spill is not atomic with an append.
-Copied or pickled, a buffer is upstream's list of its rows (one array). At most
-``MAX_HANDED_OUT`` (4096) handed-out mappings are alive at once; past that a finished
-output gets a copy (counted ``mappings_held``).
+Copied or pickled, a buffer is upstream's list of its rows (one array).
+
+Mappings and the kernel. Upstream's list and ``np.concatenate`` make no call on a
+mapping; the kernel may refuse each of ours (``ENOMEM`` under memory pressure, or at
+``vm.max_map_count``, where even a shrink or an advice fails when it has to split a
+mapping the kernel merged with its neighbours). No refusal reaches vLLM: each
+``OSError`` takes upstream's path, counted by the call refused:
+
+* ``map`` (``mmap``) and ``advise`` (``madvise``; the new mapping is closed): the rows
+  stay in the ``bytearray`` and spill with the chunk;
+* ``grow`` (``mremap`` to a larger size; the kernel leaves the mapping as it was): the
+  rows spill from the mapping with the chunk;
+* ``shrink`` (``mremap`` at finish): the finished output gets a copy of the rows (the
+  buffer keeps them, unchanged), as rows in a ``bytearray`` do.
+
+A copy equals upstream's concatenation: the rows' bytes in an array of their own, as
+``np.concatenate`` of the chunks makes it. Two caps keep the process far from
+``vm.max_map_count`` (together at most 8192 mappings, an eighth of Linux's default
+65530): at most ``MAX_IN_FLIGHT`` (4096) mappings of requests in flight are alive at
+once, and a request that would map one past that spills (``mappings_in_flight``) and
+finishes with upstream's concatenation; at most ``MAX_HANDED_OUT`` (4096) handed-out
+mappings are alive at once, and past that a finished output gets a copy
+(``mappings_held``). ``live_note()`` shows these counts in ``prime-r3 status`` and the
+log line.
+
+Huge pages: every mapping is advised ``MADV_NOHUGEPAGE`` (as store_arena's arena), so it
+holds memory in 4 KiB pages as its rows are written, whatever the machine's THP setting.
+Without it, on a THP ``always`` host the first touch of an untouched, aligned 2 MiB range
+of a mapping (the kernel merges our neighbouring mappings into one) takes a whole 2 MiB
+page, and khugepaged may collapse a range with a few written pages into one, so a
+request in flight could hold up to 2 MiB more than its rows, where upstream's chunks fill
+heap pages as they come. A kernel without THP refuses the advice (``EINVAL``): there
+every request takes upstream's path (``advise``).
 """
 
 from __future__ import annotations
@@ -97,6 +129,15 @@ COUNTERS = Counters()
 _NDARRAY = np.ndarray
 #: Rows of at least this many bytes move from a ``bytearray`` into a private mapping.
 MAPPED_FROM = 1 << 18
+_NO_HUGE_PAGES = getattr(mmap, "MADV_NOHUGEPAGE", None)  # None: no THP on this platform
+
+
+class _Refused(Exception):
+    """No mapping (or no room in it) for the rows: ``reason`` is counted as they spill."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class RowChunks(list):
@@ -143,8 +184,8 @@ class RowChunks(list):
             self._write(chunk)
         except (BufferError, ValueError, TypeError):  # the rows' buffer exported
             return self._spill(chunk, "layout")
-        except OSError:  # no mapping to be had (memory, map count)
-            return self._spill(chunk, "mapping")
+        except _Refused as refused:  # no mapping, advice or growth to be had
+            return self._spill(chunk, refused.reason)
         return None
 
     def _start(self, chunk: Any) -> None:
@@ -170,9 +211,9 @@ class RowChunks(list):
         )
         try:
             self._write(chunk)
-        except OSError:
+        except _Refused as refused:  # nothing written: the chunk goes to the list
             self._rows = None
-            self._spill(chunk, "mapping")
+            self._spill(chunk, refused.reason)
 
     def _write(self, chunk: Any) -> None:
         """Append a C-contiguous chunk's bytes (the caller checked dtype and shape)."""
@@ -184,15 +225,32 @@ class RowChunks(list):
                 return
             rows = self._map(rows, size + n)
         if size + n > len(rows):  # grow the mapping (mremap: no copy of the rows)
-            rows.resize(_pages(max(2 * len(rows), size + n)))
+            try:
+                rows.resize(_pages(max(2 * len(rows), size + n)))
+            except OSError:  # the kernel left the mapping as it was
+                raise _Refused("grow") from None
         rows.seek(size)
         rows.write(chunk)
         self._size, self._last = size + n, n
 
     def _map(self, small: bytearray, need: int) -> mmap.mmap:
-        """Move the rows so far into a private anonymous mapping with room for ``need``."""
-        mapped = mmap.mmap(-1, _pages(max(2 * need, 4 * MAPPED_FROM)), flags=mmap.MAP_PRIVATE)
+        """Move the rows so far into a private anonymous mapping with room for ``need``,
+        advised never to use huge pages; ``_Refused`` (the rows left in ``small``) past
+        ``MAX_IN_FLIGHT`` or when the kernel refuses the mapping or the advice."""
+        if len(_IN_FLIGHT) >= MAX_IN_FLIGHT:
+            raise _Refused("mappings_in_flight")
+        try:
+            mapped = mmap.mmap(-1, _pages(max(2 * need, 4 * MAPPED_FROM)), flags=mmap.MAP_PRIVATE)
+        except OSError:
+            raise _Refused("map") from None
+        if _NO_HUGE_PAGES is not None:
+            try:
+                mapped.madvise(_NO_HUGE_PAGES)
+            except OSError:
+                mapped.close()
+                raise _Refused("advise") from None
         mapped.write(small)
+        _IN_FLIGHT.add(mapped)
         self._rows = mapped
         return mapped
 
@@ -210,6 +268,8 @@ class RowChunks(list):
             row_bytes = rows.itemsize * (int(np.prod(self._tail)) if self._tail else 1)
             last = self._last // row_bytes if row_bytes else 0
             list.extend(self, (rows[: len(rows) - last], rows[len(rows) - last :]))
+            if type(self._rows) is not bytearray:
+                _IN_FLIGHT.discard(self._rows)
         self._rows = None
         self._spilled = True
 
@@ -244,7 +304,9 @@ class RowChunks(list):
         """The rows as the finished output's own array: exactly their bytes, nothing else.
 
         Rows in a mapping are handed out in it, shrunk to their size (mremap: no copy);
-        from then on the buffer takes no more rows in place (a later chunk spills)."""
+        from then on the buffer takes no more rows in place (a later chunk spills). A
+        copy of them where the kernel refuses the shrink (``shrink``), past
+        ``MAX_HANDED_OUT`` (``mappings_held``) or while a view of them is alive."""
         rows = self._rows
         if type(rows) is bytearray or self._handed or not self._size:
             return self.array().copy()
@@ -255,7 +317,11 @@ class RowChunks(list):
             rows.resize(self._size)
         except BufferError:  # a view of the rows is alive: they cannot be shrunk
             return self.array().copy()
+        except OSError:  # e.g. ENOMEM splitting a merged mapping at vm.max_map_count
+            COUNTERS.add_fallback("shrink")
+            return self.array().copy()  # the mapping is as it was: rows and size
         self._handed = True
+        _IN_FLIGHT.discard(rows)
         _HANDED_OUT.add(rows)
         return self.array()
 
@@ -274,6 +340,11 @@ class RowChunks(list):
 _HANDED_OUT: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()
 MAX_HANDED_OUT = 4096
 
+#: Mappings of requests in flight (not handed out yet), weakly: an aborted request's goes
+#: with its state. Past ``MAX_IN_FLIGHT`` a request keeps upstream's list of chunks.
+_IN_FLIGHT: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()
+MAX_IN_FLIGHT = 4096
+
 #: Every live buffer, so that revert can hand each one's rows back to upstream's list.
 _LIVE: dict[int, weakref.ref[RowChunks]] = {}
 
@@ -290,6 +361,17 @@ def _spill_live() -> None:
             chunks._spill_rows("revert")
         else:  # no rows yet: its first chunk goes to the list
             chunks._spilled = True
+
+
+def live_note() -> str:
+    """What the patch has done in this process (``prime-r3 status``, the log)."""
+    c = COUNTERS.snapshot()
+    why = ", ".join(f"{k} {v}" for k, v in sorted(c["fallback"].items()))
+    return (
+        f"finished outputs from the buffer {c['fast']}; mappings in flight "
+        f"{len(_IN_FLIGHT)} of {MAX_IN_FLIGHT}, handed out {len(_HANDED_OUT)} of "
+        f"{MAX_HANDED_OUT}; upstream's path: {why or 'none'}"
+    )
 
 
 def _pages(nbytes: int) -> int:
@@ -349,5 +431,6 @@ SPEC = PatchSpec(
         Anchor(OUTPUT_PROCESSOR, "OutputProcessor._trim_surplus_tokens", _TRIM, releases=">=0.32"),
     ),
     on_revert=_spill_live,
+    live_note=live_note,
     notes="Array equal to upstream's concatenation (dtype, shape, values, C order, writeable).",
 )

@@ -7,7 +7,7 @@ Builds vLLM's real ``SyncMPClient`` and ``AsyncMPClient`` (their real constructo
 input ROUTER and output PULL sockets at the addresses it is given, and waits for each
 engine's ready message) and runs, for each, vLLM's real ``EngineCoreProc``
 ``process_output_sockets`` in a thread, and the real ``_handle_client_request`` for what
-the client sends on its input socket (the handshake's utility call). The engine object
+the client sends on its input socket (the handshake's declaration). The engine object
 holds only what those two read. Every scenario of ``tests/engine_outputs_scenarios.py``
 is sent through the output thread; the client's real output loop (thread or asyncio
 task) decodes it and ``get_output`` / ``get_output_async`` return it.
@@ -15,12 +15,15 @@ task) decodes it and ``get_output`` / ``get_output_async`` return it.
 CASE: ``both`` (client and engine in this process, the overlay as the environment
 says), ``mixed`` (two client sockets on one engine, only one client declares: a
 second, undeclared client connected to the same engine), ``engine_only`` (the client
-is built with the overlay reverted: a client without it).
+is built with the overlay reverted: a client without it), ``client_only`` (a client with
+the overlay, an EngineCore without it: a mixed install) and ``real_inputs`` (both with
+it), each with vLLM's real EngineCore input thread (see ``run_real_inputs``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import pickle
 import queue
@@ -75,7 +78,7 @@ def _config() -> Any:
 
 def _engine_inputs(paths: list[str], engine: _Engine, stop: threading.Event) -> threading.Thread:
     """The engine's input side: a DEALER per client (as ``process_input_sockets``), the
-    ready message, then each utility call handed to the real ``_handle_client_request``
+    ready message, then each request handed to the real ``_handle_client_request``
     (as EngineCore's busy loop does)."""
     from vllm.v1.engine import EngineCoreRequestType
     from vllm.v1.engine.core import EngineCoreProc
@@ -198,6 +201,138 @@ def _sync_client(addresses: dict[str, str]) -> Any:
     return Client(_config(), None, False)
 
 
+def _sync_getter(client: Any, output_thread: threading.Thread) -> Any:
+    def get() -> Any:  # the real get_output, once the output thread has sent something
+        deadline = time.monotonic() + 30
+        while client.outputs_queue.empty():
+            if not output_thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the EngineCore output thread sent nothing (see stderr)")
+            time.sleep(0.001)
+        return client.get_output()
+
+    return get
+
+
+class _Records(logging.Handler):
+    """Every log record of vLLM's loggers (the overlay's included) while installed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> _Records:
+        root = logging.getLogger("vllm")
+        self.level = root.level
+        root.addHandler(self)
+        root.setLevel(logging.INFO)  # the test runs vLLM at ERROR: see INFO and up here
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        root = logging.getLogger("vllm")
+        root.removeHandler(self)
+        root.setLevel(self.level)
+
+    def described(self) -> list[tuple[str, str, str, str | None]]:
+        return [
+            (
+                r.name,
+                r.levelname,
+                r.getMessage(),
+                None if not r.exc_info or r.exc_info[0] is None else r.exc_info[0].__name__,
+            )
+            for r in self.records
+        ]
+
+
+def _real_engine() -> Any:
+    """A real ``EngineCoreProc`` without its ``__init__``: what its input thread
+    (``process_input_sockets``), its request handling and its output thread read."""
+    import msgspec
+    from vllm.v1.engine.core import EngineCoreProc, EngineShutdownState
+
+    engine = EngineCoreProc.__new__(EngineCoreProc)
+    engine.input_queue = queue.Queue()
+    engine.aborts_queue = queue.Queue()
+    engine.output_queue = queue.Queue()
+    engine.tensor_ipc_receiver = None
+    engine.shutdown_state = EngineShutdownState.RUNNING
+    # An empty ready payload (as _engine_inputs sends): nothing to sync back.
+    engine._make_ready_response = lambda: msgspec.Raw(b"")
+    # A utility method the client calls after declaring (answered in order after it).
+    engine.ping = lambda: "pong"
+    return engine
+
+
+def run_real_inputs(engine_overlay: bool) -> dict[str, Any]:
+    """A client with the overlay and a real ``EngineCoreProc`` object, with the overlay
+    (``engine_overlay``) or without it (a mixed install).
+
+    vLLM's real input thread (``process_input_sockets``) reads the client's socket, and
+    what it queues is handed to the engine's ``_handle_client_request`` as the busy loop
+    does; then its output thread. The client (vLLM's ``SyncMPClient``) is built with
+    ``packed_hop`` applied, so it declares; without ``engine_overlay`` the overlay is
+    reverted before the engine handles anything or starts its output thread, so every
+    engine-side object is upstream's (the client keeps the reading decoder its
+    ``__init__`` installed). Every log record of vLLM's loggers in this process is kept:
+    the engine's and the client's."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    from prime_r3 import layer
+    from prime_r3.fixes import packed_hop
+
+    ((in0, out0),) = _addresses(1)
+    engine, stop = _real_engine(), threading.Event()
+    inputs = threading.Thread(
+        target=EngineCoreProc.process_input_sockets,
+        args=(engine, [in0], None, _IDENTITY, threading.Event()),
+        daemon=True,  # upstream's input thread never returns (nor does it in vLLM)
+    )
+
+    def busy_loop() -> None:  # _process_input_queue's handling, without the stepping
+        while not stop.is_set():
+            try:
+                request = engine.input_queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            engine._handle_client_request(*request)
+
+    with _Records() as records:
+        inputs.start()
+        client = _sync_client({"input_address": in0, "output_address": out0})
+        decoder = type(client.decoder).__name__
+        if not engine_overlay:
+            layer.revert(["packed_hop"])  # the engine: without the overlay
+        try:
+            engine_state = layer.status().outcome("packed_hop").state
+            threads = [threading.Thread(target=busy_loop, daemon=True)]
+            threads[0].start()
+            threads.append(_start_output_thread(engine, [out0]))
+            answers: list[Any] = []
+            call = threading.Thread(target=lambda: answers.append(client.call_utility("ping")))
+            call.start()
+            call.join(30)  # answered after the declaration: it has been handled by then
+            declared = sorted(packed_hop.COUNTERS.declarations.values())
+            scenarios_ = _send_all(engine, _sync_getter(client, threads[1]))
+            input_thread_alive = inputs.is_alive()
+            _stop(engine, threads, stop)
+            client.shutdown()
+        finally:
+            if not engine_overlay:
+                layer.apply(names=["packed_hop"])
+    return {
+        "decoder": decoder,
+        "engine_state": engine_state,
+        "answers": answers,
+        "declared": declared,
+        "scenarios": scenarios_,
+        "input_thread_alive": input_thread_alive,
+        "records": records.described(),
+    }
+
+
 def run_sync(case: str) -> dict[str, Any]:
 
     from prime_r3 import layer
@@ -228,16 +363,7 @@ def run_sync(case: str) -> dict[str, Any]:
     ready.join()
     threads = [made[0], _start_output_thread(engine, [b for _, b in clients])]
     declared = _wait_declared(client)
-    output_thread = threads[1]
-
-    def get() -> Any:  # the real get_output, once the output thread has sent something
-        deadline = time.monotonic() + 30
-        while client.outputs_queue.empty():
-            if not output_thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the EngineCore output thread sent nothing (see stderr)")
-            time.sleep(0.001)
-        return client.get_output()
-
+    get = _sync_getter(client, threads[1])
     result = {"declared": declared, "scenarios": _send_all(engine, get)}
     result["status_note"] = layer.status().outcome("packed_hop").reason  # engine alive
     if other is not None:
@@ -317,6 +443,10 @@ def run_case(case: str, state: str) -> dict[str, Any]:
 
     packed_hop.COUNTERS.reset()
     result: dict[str, Any] = {"state": state}
+    if case in ("client_only", "real_inputs"):
+        result["sync"] = run_real_inputs(engine_overlay=case == "real_inputs")
+        result["counters_sync"] = packed_hop.COUNTERS.snapshot()
+        return result
     result["sync"] = run_sync(case)
     result["counters_sync"] = packed_hop.COUNTERS.snapshot()
     result["status_note"] = result["sync"]["status_note"]

@@ -46,7 +46,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """Three interpreters, run side by side (each is mostly its imports)."""
     tmp = tmp_path_factory.mktemp("hop")
     arms = {
-        "overlay": ("both,mixed,engine_only", {"PRIME_R3_PATCHES": "packed_hop"}),
+        "overlay": (
+            "both,mixed,engine_only,client_only,real_inputs",
+            {"PRIME_R3_PATCHES": "packed_hop"},
+        ),
         "upstream": ("both", {"PRIME_R3": "0"}),
         "disabled": ("both", {"PRIME_R3_PATCHES": "packed_outputs"}),
     }
@@ -56,6 +59,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
         "overlay": found["overlay"]["both"],
         "mixed": found["overlay"]["mixed"],
         "engine_only": found["overlay"]["engine_only"],
+        "client_only": found["overlay"]["client_only"],
+        "real_inputs": found["overlay"]["real_inputs"],
         "upstream": found["upstream"]["both"],
         "disabled": found["disabled"]["both"],
     }
@@ -117,6 +122,43 @@ def test_an_engine_with_the_patch_sends_upstreams_frames_to_a_client_without_it(
     want = runs["upstream"]["sync"]["scenarios"]
     for name, run in engine_only["sync"]["scenarios"].items():
         assert run["wire"] == want[name]["wire"] and run["outputs"] == want[name]["outputs"]
+
+
+def _loud(records: list[tuple[str, str, str, str | None]]) -> list[Any]:
+    """Records above INFO, or with a traceback."""
+    return [r for r in records if r[1] not in ("DEBUG", "INFO") or r[3] is not None]
+
+
+def test_an_engine_without_the_patch_logs_nothing_for_a_declared_client(runs: dict) -> None:
+    """A mixed install: a client with the overlay declares to an EngineCore without it
+    (vLLM's real input thread, upstream's request handling and output thread). The
+    engine logs no error, warning or traceback and answers the client's next call; the
+    client gets upstream's frames and outputs, and logs nothing louder than INFO."""
+    got = runs["client_only"]["sync"]
+    assert got["decoder"] == "ReadingDecoder" and got["engine_state"] != "applied"
+    assert _loud(got["records"]) == []
+    assert got["answers"] == ["pong"] and got["input_thread_alive"]
+    assert got["declared"] == ["sent"]  # such an engine never answers the declaration
+    want = runs["upstream"]["sync"]["scenarios"]
+    assert list(got["scenarios"]) == list(want)
+    for name, run in got["scenarios"].items():
+        assert run["wire"] == want[name]["wire"] and run["outputs"] == want[name]["outputs"]
+    counters = runs["client_only"]["counters_sync"]
+    assert counters["read_packed"] == 0 and counters["read_upstream"] >= len(want)
+
+
+def test_the_declaration_reaches_an_engine_through_vllms_input_thread(runs: dict) -> None:
+    """Client and engine with the overlay, the engine reading its socket with vLLM's
+    real input thread: the declaration is acknowledged and the decode steps packed."""
+    got = runs["real_inputs"]["sync"]
+    assert got["engine_state"] == "applied" and _loud(got["records"]) == []
+    assert got["answers"] == ["pong"] and got["declared"] == ["acknowledged"]
+    counters = runs["real_inputs"]["counters_sync"]
+    assert counters["packed_steps"] == counters["read_packed"] == len(PACKED)
+    want = runs["upstream"]["sync"]["scenarios"]
+    assert list(got["scenarios"]) == list(want)
+    for name, run in got["scenarios"].items():
+        assert run["outputs"] == want[name]["outputs"], name
 
 
 def test_a_mixed_deployment_falls_back_to_upstream_for_every_client(runs: dict) -> None:
@@ -197,6 +239,37 @@ def test_a_foreign_wrapped_target_is_skipped_with_a_reason(
         assert "MsgpackEncoder.encode_into is not upstream's plain object" in outcome.reason
         # Never half-applied: every target is as it was.
         assert all(owner.__dict__[attr] is orig for owner, attr, orig in before)
+    finally:
+        layer.revert(["packed_hop"])
+
+
+@pytest.mark.parametrize("kind", ["WAKEUP", "UTILITY"])
+def test_an_engine_with_the_patch_answers_the_declaration(kind: str) -> None:
+    """The declaration as clients of this build send it (WAKEUP) and as earlier ones did
+    (a utility call): recorded and answered like a utility call. Upstream's own WAKEUP
+    (None) and a WAKEUP with something else stay upstream's: no answer, no record."""
+    import vllm.v1.engine.core_client  # noqa: F401 - every module of the patch imported
+    from vllm.v1.engine import EngineCoreRequestType
+
+    from prime_r3 import layer
+    from prime_r3.fixes import packed_hop
+    from tests.hop_scenarios import _real_engine
+
+    engine = _real_engine()
+    declaration = [3, 77, packed_hop.METHOD, [packed_hop.FORMAT_VERSION]]
+    try:
+        report = layer.apply(names=["packed_hop"], environ={})
+        assert report.outcome("packed_hop").state == layer.APPLIED
+        handle = engine._handle_client_request
+        handle(EngineCoreRequestType.WAKEUP, None)
+        handle(EngineCoreRequestType.WAKEUP, [3, 78, "something else", []])
+        assert engine.output_queue.empty() and not packed_hop._record(engine).declared
+        handle(EngineCoreRequestType[kind], declaration)
+        client, outputs = engine.output_queue.get_nowait()
+        reply = outputs.utility_output
+        assert client == 3 and reply.call_id == 77 and reply.failure_message is None
+        assert reply.result.result == packed_hop.FORMAT_VERSION
+        assert packed_hop._record(engine).declared == {3}
     finally:
         layer.revert(["packed_hop"])
 

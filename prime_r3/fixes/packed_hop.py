@@ -24,25 +24,41 @@ reads the packed form (``undeclared``).
 
 The handshake (who may receive it). The client declares, once, per engine: at the end
 of ``SyncMPClient.__init__`` / ``AsyncMPClient.__init__`` it sends each engine in
-``core_engines`` a utility call ``prime_r3_packed_hop(FORMAT_VERSION)`` on its input
-socket, as ``call_utility`` would, after ``MPClient.__init__`` gave the client a
-decoder that reads both forms (``ReadingDecoder``). EngineCore answers it in
-``_handle_client_request`` (the call's reply travels back in order on the output
-stream) and records the client's index; its output thread packs only while **every**
-client socket it was started with (``output_paths``, one per API server) has declared.
-So: a client without prime_r3, with ``PRIME_R3=0``, with this patch not selected in
-``PRIME_R3_PATCHES``, or with a changed ``MPClient`` never declares, and its engine
-sends upstream's bytes to every client (a mixed deployment falls back to upstream);
-an engine without this patch answers the call with upstream's failure ("Call to
-prime_r3_packed_hop method failed") and sends upstream's messages, which the declared
-client's decoder reads with upstream's own decoder. That engine's
-``_invoke_utility_method`` logs ``Invocation of prime_r3_packed_hop method failed`` at
-ERROR with a traceback (``AttributeError``: no such method), once per client at
-start-up; the client logs at INFO that the engine sends upstream's messages. The
-client cannot tell such an engine apart before declaring: the one thing every engine
+``core_engines`` the declaration ``(client_index, call_id, "prime_r3_packed_hop",
+(FORMAT_VERSION,))`` on its input socket, as ``call_utility`` sends a utility call but
+with the request type ``WAKEUP``, after ``MPClient.__init__`` gave the client a decoder
+that reads both forms (``ReadingDecoder``). EngineCore answers it in
+``_handle_client_request`` as it answers a utility call (``_invoke_utility_method``;
+the reply travels back in order on the output stream) and records the client's index;
+its output thread packs only while **every** client socket it was started with
+(``output_paths``, one per API server) has declared. (It also takes the declaration as
+a utility call ``prime_r3_packed_hop``, which clients of earlier builds of this patch
+send.) So: a client without prime_r3, with ``PRIME_R3=0``, with this patch not selected
+in ``PRIME_R3_PATCHES``, or with a changed ``MPClient`` never declares, and its engine
+sends upstream's bytes to every client (a mixed deployment falls back to upstream).
+
+Why ``WAKEUP``: an engine without this patch must ignore the declaration without a
+word. Upstream's input thread (``process_input_sockets``, 0.31-0.33) decodes any request
+that is neither ``ADD`` nor ``UTILITY`` with its generic decoder and queues it; its
+``_handle_client_request`` returns at once for ``WAKEUP`` (the value its own shutdown
+signal handler queues, with ``None``, to wake an idle busy loop), so such an engine
+logs nothing, answers nothing, and sends upstream's messages, which the declared
+client's decoder reads with upstream's own decoder. As a utility call (what this patch
+sent before) the same engine answered with a failure and its ``_invoke_utility_method``
+logged ``Invocation of prime_r3_packed_hop method failed`` at ERROR with a traceback
+(``AttributeError``), once per client at start-up; any other request type is worse
+(``START_DP_WAVE`` starts a wave on a data-parallel engine and is logged as
+unrecognized on another, ``EXECUTOR_FAILED`` stops the engine, an unknown type kills
+its input thread). The cost: the client cannot tell such an engine from one whose
+answer is still on its way, so that declaration's state stays ``sent`` (its future
+waits in ``utility_results``, one per engine, and never resolves) and the client logs
+nothing about it. It could not tell before declaring either: the one thing every engine
 sends it first, the ready message (``EngineCoreReadyResponse``), reaches
 ``_apply_ready_response`` without the engine's identity, and announcing support there
-would take two more targets on both ends for a line in a mixed install's start-up log.
+would take two more targets on both ends. A declaration that fails on an engine with
+this patch (another ``FORMAT_VERSION``, an engine shutting down) is answered with a
+failure as before: the client counts it ``declined`` and logs at INFO that the engine
+sends upstream's messages.
 The decision is made per message in the output thread from the engine's
 record, so it holds for every client whatever the order of declarations and steps.
 
@@ -460,10 +476,17 @@ def _encode_into(params: Mapping[str, Any]) -> Callable[[Callable[..., Any]], An
     return make
 
 
+def _is_declaration(request: Any) -> bool:
+    """Whether a request's payload is a declaration: ``(client_index, call_id, METHOD,
+    (FORMAT_VERSION,))``, decoded by the input thread's generic decoder (a list)."""
+    return type(request) in (list, tuple) and len(request) == 4 and request[2] == METHOD
+
+
 def _receive_declaration(params: Mapping[str, Any]) -> Callable[[Callable[..., Any]], Any]:
     from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType, UtilityOutput
 
     utility = EngineCoreRequestType.UTILITY
+    wakeup = EngineCoreRequestType.WAKEUP
 
     def declared(engine: Any, client_idx: int, args: Any) -> int:
         version = args[0] if args else None
@@ -480,7 +503,13 @@ def _receive_declaration(params: Mapping[str, Any]) -> Callable[[Callable[..., A
 
     def make(upstream: Callable[..., Any]) -> Callable[..., Any]:
         def _handle_client_request(self, request_type, request):  # noqa: ANN001, ANN202
-            if request_type is not utility or request[2] != METHOD:
+            # The declaration comes as WAKEUP (what upstream's own shutdown signal puts
+            # on the queue with None); as a utility call from a client of an earlier
+            # build of this patch. Anything else is upstream's to handle.
+            if request_type is wakeup:
+                if not _is_declaration(request):
+                    return upstream(self, request_type, request)
+            elif request_type is not utility or request[2] != METHOD:
                 return upstream(self, request_type, request)
             client_idx, call_id, method_name, args = request
             if self._reject_utility_in_shutdown(client_idx, call_id, method_name):
@@ -514,7 +543,8 @@ def _install_reader(params: Mapping[str, Any]) -> WrapperFn:
 
 
 def _declare(client: Any, client_index: int) -> None:
-    """Send each engine of ``client`` the declaration, as ``call_utility`` sends a call."""
+    """Send each engine of ``client`` the declaration, as ``call_utility`` sends a call
+    but as a WAKEUP request, which an engine without this patch drops silently."""
     import zmq
     from vllm.v1.engine import EngineCoreRequestType
 
@@ -543,7 +573,7 @@ def _declare(client: Any, client_index: int) -> None:
         future.add_done_callback(done)
         COUNTERS.declarations[name] = "sent"
         request = (client_index, call_id, METHOD, (FORMAT_VERSION,))
-        message = (engine, EngineCoreRequestType.UTILITY.value, *client.encoder.encode(request))
+        message = (engine, EngineCoreRequestType.WAKEUP.value, *client.encoder.encode(request))
         socket.send_multipart(message, copy=False)
 
 

@@ -69,6 +69,8 @@ class _Kernel:
         class Mapping(mmap.mmap):
             def madvise(self, *args: Any) -> None:
                 if kernel.refuse == "advise":
+                    raise OSError(errno.ENOMEM, "Cannot allocate memory")
+                if kernel.refuse == "advise_no_thp":
                     raise OSError(errno.EINVAL, "Invalid argument")
                 super().madvise(*args)
 
@@ -103,9 +105,9 @@ class _Kernel:
 def test_each_refused_kernel_call_takes_upstreams_path(
     monkeypatch: pytest.MonkeyPatch, refused: str
 ) -> None:
-    """The kernel refuses one call (``ENOMEM``, or ``EINVAL`` for the advice on a kernel
-    without THP): no error reaches the output processor, the count names the call, and
-    the finished rows (after a trim too) are upstream's concatenation."""
+    """The kernel refuses one call (``ENOMEM``): no error reaches the output processor,
+    the count names the call, and the finished rows (after a trim too) are upstream's
+    concatenation."""
     kernel = _Kernel()
     monkeypatch.setattr(response_rows, "mmap", kernel.module)
     monkeypatch.setattr(response_rows, "MAPPED_FROM", 64)
@@ -334,3 +336,72 @@ def test_rows_mappings_hold_only_their_rows_pages_under_thp_always(
     assert resident == written  # pages, each request: its rows' pages, not one more
     for address in addresses:
         assert "nh" in _vm_flags(address) and "hg" not in _vm_flags(address)
+
+
+@pytest.mark.parametrize("refused", ["map", "advise", "mappings_in_flight"])
+def test_a_first_chunk_past_the_buffer_refused_its_mapping_is_upstreams(
+    monkeypatch: pytest.MonkeyPatch, refused: str
+) -> None:
+    """A long prompt's rows arrive as one first chunk past ``MAPPED_FROM``: a refused
+    mapping (or no place left in flight) sends it to upstream's list, no error."""
+    kernel = _Kernel()
+    monkeypatch.setattr(response_rows, "mmap", kernel.module)
+    monkeypatch.setattr(response_rows, "MAPPED_FROM", 64)
+    if refused == "mappings_in_flight":
+        monkeypatch.setattr(response_rows, "MAX_IN_FLIGHT", 0)
+    else:
+        kernel.refuse = refused
+    rng = np.random.default_rng(5)
+    chunks = [_rows(rng, 40)] + [_rows(rng, 1) for _ in range(3)]
+    gathered = response_rows.RowChunks()
+    response_rows.COUNTERS.reset()
+    for chunk in chunks:
+        gathered.append(chunk)
+    _same(_finish(gathered), np.concatenate(chunks, axis=0))
+    assert dict(response_rows.COUNTERS.fallback) == {refused: 1}
+
+
+def test_advice_refused_for_want_of_thp_keeps_the_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``EINVAL`` from ``MADV_NOHUGEPAGE``: a kernel without THP has no huge pages to
+    avoid; the rows stay mapped and are handed out as such."""
+    kernel = _Kernel()
+    kernel.refuse = "advise_no_thp"
+    monkeypatch.setattr(response_rows, "mmap", kernel.module)
+    monkeypatch.setattr(response_rows, "MAPPED_FROM", 64)
+    rng = np.random.default_rng(6)
+    chunks = [_rows(rng, 1) for _ in range(50)]
+    gathered = response_rows.RowChunks()
+    response_rows.COUNTERS.reset()
+    for chunk in chunks:
+        gathered.append(chunk)
+    out = _finish(gathered)
+    _same(out, np.concatenate(chunks, axis=0))
+    assert not response_rows.COUNTERS.fallback
+    assert gathered._handed  # the mapping itself went out with the output
+
+
+def test_a_streaming_input_requests_finish_lends_no_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A streaming-input request's state lives on after a finish: the output gets a copy,
+    so a consumer writing to it cannot change the rows a later finish reads."""
+    monkeypatch.setattr(response_rows, "MAPPED_FROM", 64)
+    rng = np.random.default_rng(7)
+    chunks = [_rows(rng, 40) for _ in range(3)]
+    gathered = response_rows.RowChunks()
+    for chunk in chunks:
+        gathered.append(chunk)
+    assert gathered.gathered and not isinstance(gathered._rows, bytearray)
+
+    def upstream() -> Any:
+        return types.SimpleNamespace(finish_reason="length", routed_experts=None)
+
+    state = types.SimpleNamespace(routed_experts_chunks=gathered, streaming_input=True)
+    response_rows.COUNTERS.reset()
+    out = response_rows._new_completion_output({})(upstream, state, (), {}).routed_experts
+    _same(out, np.concatenate(chunks, axis=0))
+    out[:] = 0  # the consumer's to change
+    more = _rows(rng, 2)
+    gathered.append(more)
+    _same(_finish(gathered), np.concatenate([*chunks, more], axis=0))
+    assert response_rows.COUNTERS.fallback["streaming_input"] == 1

@@ -24,7 +24,10 @@ sets the output's ``routed_experts`` to the rows as one array of their exact siz
   buffer (``np.frombuffer``; no copy, so a wave of long requests finishing in one step
   costs the loop no copying); from then on the buffer takes no rows in place (a later
   chunk or trim spills, below), so the array handed out never changes;
-* rows in the ``bytearray``: one copy of them (at most 256 KiB).
+* rows in the ``bytearray``: one copy of them (at most 256 KiB);
+* a streaming-input request (``streaming_input``: its state lives on for the next input
+  chunk, and later finishes read the same rows): one copy (``streaming_input``), so the
+  buffer never lends memory that a later finish reads.
 
 That array equals upstream's concatenation: same dtype, shape and values, C-contiguous,
 writeable, and nothing but its rows is kept alive with it (a mapping of their bytes,
@@ -56,8 +59,10 @@ mapping; the kernel may refuse each of ours (``ENOMEM`` under memory pressure, o
 mapping the kernel merged with its neighbours). No refusal reaches vLLM: each
 ``OSError`` takes upstream's path, counted by the call refused:
 
-* ``map`` (``mmap``) and ``advise`` (``madvise``; the new mapping is closed): the rows
-  stay in the ``bytearray`` and spill with the chunk;
+* ``map`` (``mmap``) and ``advise`` (``madvise`` other than ``EINVAL``; the new mapping
+  is closed, which at the map-count limit may itself leave it mapped: CPython ignores
+  ``munmap``'s error, as glibc does for upstream's freed arrays): the rows stay in the
+  ``bytearray`` and spill with the chunk;
 * ``grow`` (``mremap`` to a larger size; the kernel leaves the mapping as it was): the
   rows spill from the mapping with the chunk;
 * ``shrink`` (``mremap`` at finish): the finished output gets a copy of the rows (the
@@ -79,12 +84,13 @@ Without it, on a THP ``always`` host the first touch of an untouched, aligned 2 
 of a mapping (the kernel merges our neighbouring mappings into one) takes a whole 2 MiB
 page, and khugepaged may collapse a range with a few written pages into one, so a
 request in flight could hold up to 2 MiB more than its rows, where upstream's chunks fill
-heap pages as they come. A kernel without THP refuses the advice (``EINVAL``): there
-every request takes upstream's path (``advise``).
+heap pages as they come. A kernel without THP refuses the advice (``EINVAL``): there is
+nothing to avoid there, and the mapping is kept.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import threading
 import weakref
@@ -246,9 +252,10 @@ class RowChunks(list):
         if _NO_HUGE_PAGES is not None:
             try:
                 mapped.madvise(_NO_HUGE_PAGES)
-            except OSError:
-                mapped.close()
-                raise _Refused("advise") from None
+            except OSError as refused:
+                if refused.errno != errno.EINVAL:  # EINVAL: no THP here, nothing to avoid
+                    mapped.close()
+                    raise _Refused("advise") from None
         mapped.write(small)
         _IN_FLIGHT.add(mapped)
         self._rows = mapped
@@ -306,7 +313,8 @@ class RowChunks(list):
         Rows in a mapping are handed out in it, shrunk to their size (mremap: no copy);
         from then on the buffer takes no more rows in place (a later chunk spills). A
         copy of them where the kernel refuses the shrink (``shrink``), past
-        ``MAX_HANDED_OUT`` (``mappings_held``) or while a view of them is alive."""
+        ``MAX_HANDED_OUT`` (``mappings_held``) or while a view of them is alive
+        (``view_alive``)."""
         rows = self._rows
         if type(rows) is bytearray or self._handed or not self._size:
             return self.array().copy()
@@ -316,6 +324,7 @@ class RowChunks(list):
         try:
             rows.resize(self._size)
         except BufferError:  # a view of the rows is alive: they cannot be shrunk
+            COUNTERS.add_fallback("view_alive")
             return self.array().copy()
         except OSError:  # e.g. ENOMEM splitting a merged mapping at vm.max_map_count
             COUNTERS.add_fallback("shrink")
@@ -397,7 +406,11 @@ def _new_completion_output(params: Mapping[str, Any]) -> WrapperFn:
             and output.finish_reason is not None
             and output.routed_experts is None
         ):
-            output.routed_experts = chunks.finished()
+            if getattr(instance, "streaming_input", False):  # the state lives on
+                COUNTERS.add_fallback("streaming_input")
+                output.routed_experts = chunks.array().copy()
+            else:
+                output.routed_experts = chunks.finished()
             with COUNTERS._lock:
                 COUNTERS.fast += 1
         return output

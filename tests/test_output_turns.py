@@ -3,13 +3,16 @@
 ``tests/turns_scenarios.py`` queues a backlog of steps through vLLM's real output thread,
 socket and ``AsyncMPClient``, and takes them as ``AsyncLLM``'s output handler does: with
 ``PRIME_R3_PATCHES=output_turns``, with ``PRIME_R3=0`` on the installed release, and with
-``PRIME_R3=0`` on a copy patched with ``patches/``, each with R3 on and off. The same
-steps must arrive in the same order everywhere, and only the fix with R3 on lets the loop
-turn between them.
+``PRIME_R3=0`` on a copy patched with ``patches/``, each with R3 on and off, with a slice
+of 0 (a turn before every waiting step) and with a slice longer than the backlog lasts.
+The same steps must arrive in the same order everywhere; only the fix with R3 on lets the
+loop turn between them, and within a slice it works the backlog off as upstream does.
+The slice's clock itself is held in process (``test_*_slice_*``).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import subprocess
@@ -24,15 +27,18 @@ from tests.test_upstream_diffs import RELEASE, SITE, patches
 from tests.turns_scenarios import STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
+#: A slice far longer than the scenario's backlog of cheap steps takes to work off.
+_LONG_SLICE_MS = 1000
 
 
 def _start(
-    out: Path, r3: bool, env_vars: dict[str, str], tree: Path | None = None
+    out: Path, r3: bool, slice_ms: float, env_vars: dict[str, str], tree: Path | None = None
 ) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_R3")}
     env.update(VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="ERROR", **env_vars)
     env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (tree, ROOT) if p is not None)
     command = [sys.executable, "-m", "tests.turns_scenarios", str(out), str(int(r3))]
+    command.append(str(slice_ms))
     return subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -42,12 +48,15 @@ def _start(
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("turns")
     tree = Path(patches.apply(SITE, RELEASE, tmp / "vllm_tree"))
-    arms = {
-        "overlay": (True, {"PRIME_R3_PATCHES": "output_turns"}),
-        "overlay_r3_off": (False, {"PRIME_R3_PATCHES": "output_turns"}),
-        "upstream": (True, {"PRIME_R3": "0"}),
-        "diffs": (True, {"PRIME_R3": "0"}, tree),
-        "diffs_r3_off": (False, {"PRIME_R3": "0"}, tree),
+    overlay, upstream = {"PRIME_R3_PATCHES": "output_turns"}, {"PRIME_R3": "0"}
+    arms = {  # (R3, slice ms, environment[, tree])
+        "overlay": (True, 0, overlay),
+        "overlay_r3_off": (False, 0, overlay),
+        "upstream": (True, 0, upstream),
+        "diffs": (True, 0, upstream, tree),
+        "diffs_r3_off": (False, 0, upstream, tree),
+        "overlay_slice": (True, _LONG_SLICE_MS, overlay),
+        "diffs_slice": (True, _LONG_SLICE_MS, upstream, tree),
     }
     started = {arm: _start(tmp / f"{arm}.pickle", *spec) for arm, spec in arms.items()}
     found = {}
@@ -55,7 +64,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
         output, _ = process.communicate(timeout=600)
         assert process.returncode == 0, output[-6000:]
         found[arm] = pickle.loads((tmp / f"{arm}.pickle").read_bytes())
-    for arm in ("diffs", "diffs_r3_off"):
+    for arm in ("diffs", "diffs_r3_off", "diffs_slice"):
         assert Path(found[arm]["vllm_file"]).is_relative_to(tree), found[arm]["vllm_file"]
     assert Path(found["upstream"]["vllm_file"]).is_relative_to(SITE)
     return found
@@ -78,9 +87,9 @@ def test_the_handler_gets_upstreams_steps_in_upstreams_order(runs: dict) -> None
     assert len(runs["upstream"]["steps"]) == STEPS
     sent = [float(k + 1) for k in range(STEPS)]
     assert [s["timestamp"] for s in runs["upstream"]["steps"]] == sent
-    for arm in ("overlay", "overlay_r3_off"):
+    for arm in ("overlay", "overlay_r3_off", "overlay_slice"):
         assert runs[arm]["steps"] == runs["upstream"]["steps"], arm
-    for arm in ("diffs", "diffs_r3_off"):
+    for arm in ("diffs", "diffs_r3_off", "diffs_slice"):
         assert _upstreams_fields(runs[arm]["steps"]) == runs["upstream"]["steps"], arm
 
 
@@ -101,7 +110,30 @@ def test_upstream_works_off_a_backlog_in_one_turn_the_overlay_turns_per_step(
     assert runs["overlay_r3_off"]["counters"] == {**_NONE, "r3_off": STEPS}
 
 
-_NONE = {"turns": 0, "waited": 0, "r3_off": 0, "socket_turns": 0, "socket_foreign": 0}
+def test_within_a_slice_the_backlog_is_worked_off_as_upstream_does(runs: dict) -> None:
+    """The coalescing a stream behind the engine gets from upstream is kept: within the
+    slice no other task runs between queued steps, in the handler and the socket task."""
+    for arm in ("overlay_slice", "diffs_slice"):
+        assert runs[arm]["turns_before"][1:] == [0] * (STEPS - 1), runs[arm]
+        assert max(runs[arm]["queued_per_turn"]) >= STEPS - 1, runs[arm]
+        # Upstream's call took its step in its first run, before the cancel reached it.
+        assert runs[arm]["left_after_cancel"] == STEPS - 1, arm
+    # The first call after the steps were queued (the cancelled one) starts the slice:
+    # every call is within it.
+    assert runs["overlay_slice"]["counters"] == {**_NONE, "within": STEPS}
+    socket = runs["overlay_slice"]["socket_counters"]
+    assert socket["socket_turns"] == 0 and socket["socket_within"] >= STEPS - 2, socket
+
+
+_NONE = {
+    "turns": 0,
+    "within": 0,
+    "waited": 0,
+    "r3_off": 0,
+    "socket_turns": 0,
+    "socket_within": 0,
+    "socket_foreign": 0,
+}
 
 
 def test_upstreams_socket_task_queues_a_backlog_in_one_turn_the_overlay_one_per_turn(
@@ -240,7 +272,7 @@ def test_the_socket_recv_awaits_the_class_methods_future_and_turns_when_behind()
 
     async def main() -> list[tuple[Any, int]]:
         sock = Waiting()
-        output_turns._socket_turns(lambda: None, _client(sock), (), {})
+        output_turns._socket_turns(lambda: None, _client(sock), (), {}, 0.0)  # every step
         turns = 0
 
         async def ticker() -> None:
@@ -286,7 +318,7 @@ def test_the_socket_recv_hands_out_futures() -> None:
 
     async def main() -> tuple[Any, Any, list[Any]]:
         sock = Waiting()
-        output_turns._socket_turns(lambda: None, _client(sock), (), {})
+        output_turns._socket_turns(lambda: None, _client(sock), (), {}, 0.0)  # every step
         first = sock.recv_multipart()
         second = sock.recv_multipart()  # the first was done: behind
         called: list[Any] = []
@@ -339,3 +371,182 @@ def test_a_socket_not_ours_to_wrap_is_left_as_found(make: Any) -> None:
     assert output_turns.COUNTERS.snapshot()["socket_foreign"] == before + 1
     output_turns._forget_sockets()  # not ours: stays
     assert vars(sock) == found
+
+
+class _Clock:
+    """``output_turns._clock`` for a test: time moves only when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("slice_ms", [0, 25])
+def test_the_handler_turns_once_a_slice_of_backlog_is_used_up(
+    monkeypatch: pytest.MonkeyPatch, slice_ms: float
+) -> None:
+    """Each queued step costs 10 ms: with a 25 ms slice the loop turns before every
+    fourth step (the slice started at the first), with 0 before every step; a call that
+    finds the queue empty waits, and the next step found queued starts a new slice."""
+    import asyncio
+
+    from prime_r3.fixes import output_turns
+
+    clock = _Clock()
+    monkeypatch.setattr(output_turns, "_clock", clock)
+    turn_then = output_turns._get_output_async({"slice_ms": slice_ms})
+
+    async def main() -> tuple[list[int], dict[str, int]]:
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        aux = SimpleNamespace(enable_return_routed_experts=True)
+        client = SimpleNamespace(vllm_config=SimpleNamespace(aux_output_config=aux))
+        client.outputs_queue = queue
+        turns = 0
+
+        async def ticker() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        ticking = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        for k in range(8):
+            queue.put_nowait(k)
+        before = output_turns.COUNTERS.snapshot()
+        got, turns_before = [], []
+        for _ in range(8):
+            start = turns
+            got.append(await turn_then(queue.get, client, (), {}))
+            turns_before.append(turns - start)
+            clock.now += 0.010  # the step's processing
+        # Empty: the call waits (the loop turns), and the next backlog's slice starts anew.
+        waiting = asyncio.create_task(turn_then(queue.get, client, (), {}))
+        await asyncio.sleep(0)
+        for k in range(8, 11):
+            queue.put_nowait(k)
+        got.append(await waiting)
+        for _ in range(2):
+            start = turns
+            got.append(await turn_then(queue.get, client, (), {}))
+            turns_before.append(turns - start)
+            clock.now += 0.010
+        ticking.cancel()
+        after = output_turns.COUNTERS.snapshot()
+        assert got == list(range(11))
+        return turns_before, {k: after[k] - before[k] for k in ("turns", "within", "waited")}
+
+    turns_before, counts = asyncio.run(main())
+    if slice_ms == 0:
+        assert all(t >= 1 for t in turns_before), turns_before
+        assert counts == {"turns": 10, "within": 0, "waited": 1}
+    else:
+        # Steps at 0, 10, 20 ms within the slice begun at 0; a turn at 30, the slice
+        # restarts; 40, 50 within; a turn at 60; 70 within. After the wait: 80, 90 within.
+        turned = [t >= 1 for t in turns_before]
+        assert turned == [False, False, False, True, False, False, True, False, False, False]
+        assert counts == {"turns": 2, "within": 8, "waited": 1}
+
+
+def test_the_socket_task_turns_once_a_slice_of_waiting_messages_is_used_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Messages already waiting (done futures), 10 ms to decode each, a 25 ms slice: the
+    first receive starts the slice, a turn comes before the receive that finds it used
+    up; a receive that waited (a pending future) starts a new slice."""
+    import asyncio
+
+    from prime_r3.fixes import output_turns
+
+    clock = _Clock()
+    monkeypatch.setattr(output_turns, "_clock", clock)
+    pending_at = {8}
+
+    class Waiting(_Socket):
+        made = 0
+
+        def recv_multipart(self, *args: Any, **kwargs: Any) -> Any:
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+            k, Waiting.made = Waiting.made, Waiting.made + 1
+            if k in pending_at:
+                loop.call_later(0.01, future.set_result, k)
+            else:
+                future.set_result(k)
+            return future
+
+    async def main() -> list[bool]:
+        sock = Waiting()
+        wrap = output_turns._output_task({"slice_ms": 25})
+        wrap(lambda: None, _client(sock), (), {})
+        turned = []
+        before = output_turns.COUNTERS.snapshot()["socket_turns"]
+        for k in range(13):
+            got = sock.recv_multipart(copy=False)
+            turned.append(isinstance(got, asyncio.Task))
+            assert await got == k
+            clock.now += 0.010  # the message's decoding
+        output_turns._forget_sockets()
+        assert output_turns.COUNTERS.snapshot()["socket_turns"] == before + sum(turned)
+        return turned
+
+    turned = asyncio.run(main())
+    # Receive k at 10k ms. 0 starts the slice; 1, 2 within it; 3 past it: a turn, the
+    # slice restarts at 30; 4, 5 within; 6 a turn (60); 7 within; 8 within, and waits; 9
+    # follows a wait: a new slice at 90; 10, 11 within; 12 a turn (120).
+    expected = [False, False, False, True, False, False, True, False, False, False, False]
+    assert turned == [*expected, False, True], turned
+
+
+def test_a_turn_the_rest_of_the_loop_took_long_gives_a_longer_slice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fair share: while the rest of the loop (say, many streams sending their chunks)
+    takes 60 ms a turn, the handler's next slice is 60 ms, not 25 ms, so a loop busy
+    with streams is turned less often; past ``MAX_TURN_FACTOR`` x 25 ms it is capped."""
+    import asyncio
+
+    from prime_r3.fixes import output_turns
+
+    clock = _Clock()
+    monkeypatch.setattr(output_turns, "_clock", clock)
+    turn_then = output_turns._get_output_async({"slice_ms": 25})
+    away = {"s": 0.060}
+
+    async def main() -> list[float]:
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        aux = SimpleNamespace(enable_return_routed_experts=True)
+        client = SimpleNamespace(vllm_config=SimpleNamespace(aux_output_config=aux))
+        client.outputs_queue = queue
+
+        async def others() -> None:  # the rest of the loop: away["s"] per turn
+            while True:
+                clock.now += away["s"]
+                await asyncio.sleep(0)
+
+        busy = asyncio.create_task(others())
+        for k in range(40):
+            queue.put_nowait(k)
+        turned_at = []
+        for _ in range(40):
+            start = clock.now
+            await turn_then(queue.get, client, (), {})
+            if clock.now != start:  # the loop turned: the others ran
+                turned_at.append(round(start, 3))
+            clock.now += 0.010  # the step's processing
+        busy.cancel()
+        return turned_at
+
+    turned_at = asyncio.run(main())
+    gaps = [round(b - a, 3) for a, b in itertools.pairwise(turned_at)]
+    # The first turn once the 25 ms slice is used up (steps at 0, 10, 20 ms within it);
+    # from then on a 60 ms slice (six 10 ms steps) and the others' 60 ms between turns.
+    assert turned_at[0] == pytest.approx(0.030)
+    assert set(gaps) == {0.120}, gaps
+    # The others take 400 ms a turn: the slice is capped at 250 ms.
+    away["s"] = 0.400
+    turned_at = asyncio.run(main())
+    gaps = [round(b - a, 3) for a, b in itertools.pairwise(turned_at)]
+    assert set(gaps) == {0.650}, gaps

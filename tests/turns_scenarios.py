@@ -1,6 +1,6 @@
 """A backlog of engine steps in vLLM's real ``AsyncMPClient``, for output_turns and its diff.
 
-    python -m tests.turns_scenarios OUT.pickle R3   # PRIME_R3*, PYTHONPATH set by the caller
+    python -m tests.turns_scenarios OUT.pickle R3 SLICE_MS   # PRIME_R3, PYTHONPATH: the caller
 
 Builds vLLM's real ``AsyncMPClient`` (its constructor, in the externally-managed mode of
 ``tests/hop_scenarios.py``) and vLLM's real ``EngineCoreProc.process_output_sockets``
@@ -162,7 +162,14 @@ def run(r3: bool) -> dict[str, Any]:
 
 def main() -> None:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    out, r3 = sys.argv[1], sys.argv[2] == "1"
+    out, r3, slice_ms = sys.argv[1], sys.argv[2] == "1", float(sys.argv[3])
+    # The slice in both forms: the overlay's setting, the patched tree's constant.
+    os.environ["PRIME_R3_OUTPUT_TURNS_SLICE_MS"] = f"{slice_ms:g}"
+    from vllm.v1.engine import core_client
+
+    if hasattr(core_client, "ROUTED_EXPERTS_TURN_SLICE_S"):
+        core_client.ROUTED_EXPERTS_TURN_SLICE_S = slice_ms / 1000
+
     from prime_r3 import layer
 
     layer.apply()

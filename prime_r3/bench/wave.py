@@ -19,11 +19,18 @@ Four processes per arm, over 127.0.0.1 and ZMQ:
   zero-copy frames). A request's first output carries its prompt rows (one array), every
   later one one row; all finish (``length``) in the same step. Where prime_r3 is on it
   loads vLLM's plugins as EngineCore does and hands a client's ``prime_r3_packed_hop``
-  declaration to ``EngineCoreProc._handle_client_request``, so the hop is packed as
-  between two real processes with the overlay;
+  declaration (a ``WAKEUP`` request) to ``EngineCoreProc._handle_client_request``, so the
+  hop is packed as between two real processes with the overlay;
 * a **client**: aiohttp, every request at once; it stops by itself (``--timeout``);
 * a **health** poller: ``GET /health`` every 50 ms on one keep-alive connection, in a
   process of its own (the client's reading and hashing of the bodies would delay it).
+
+Engine death (``tests/test_engine_death.py``; ``PR3WAVE_DIE_AFTER_STEP=K`` in ``run_arm``'s
+``env_extra``, or the engine's ``--die-after-step K``): the stand-in writes its stats and
+SIGKILLs itself once it has sent K steps; the API server gets vLLM's engine monitor as
+``vllm serve`` with one API server has it (``_watch_engine``), and its stats carry its
+rows mappings sampled every 0.1 s and at exit (``rows_maps``, ``rows_maps_end``:
+``_rows_mappings``).
 
 Shapes: ``writeup`` (``--requests`` requests of a 16-token prompt, each generating
 ``--max-tokens`` 16384 tokens: 16k row chunks of 46 x 8 uint8 each) and ``grpo``
@@ -70,7 +77,7 @@ PROBE_S = 0.005
 HEALTH_S = 0.05
 #: How long the API server may take to start (a loaded 2-core machine: minutes).
 START_S = 600
-ARMS = ("off", "upstream", "prime", "prime_gc", "prime_no_turns")
+ARMS = ("off", "upstream", "prime", "prime_gc", "prime_no_turns", "prime_slice<MS>")
 DEFAULT_ARMS = ("off", "upstream", "prime")
 
 
@@ -187,6 +194,27 @@ def token(sample: int, step: int) -> int:
     return (sample * 131 + step * 7) % (VOCAB - 1) + 1
 
 
+#: Engine death (``tests/test_engine_death.py``, through ``run_arm``'s ``env_extra``): the
+#: engine stand-in SIGKILLs itself once it has sent this many steps (0: never), and the
+#: API server watches it (``_watch_engine``) and samples its rows mappings.
+DIE_AFTER_STEP_ENV = "PR3WAVE_DIE_AFTER_STEP"
+
+
+def _die_after_step() -> int:
+    return int(os.environ.get(DIE_AFTER_STEP_ENV) or 0)
+
+
+def _die(stats: dict[str, Any], path: str, output_queue: queue.Queue) -> None:
+    """A killed engine: its stats written, its steps so far handed to ZMQ, SIGKILL."""
+    while output_queue.qsize():
+        time.sleep(0.001)
+    time.sleep(0.2)  # the output thread's last send, out of ZMQ's I/O thread
+    stats["last_step"] = stats["died"] = time.monotonic()
+    with open(path, "w") as f:
+        json.dump(stats, f)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def engine_main(argv: Sequence[str]) -> int:
     """The EngineCore stand-in (see the module docstring)."""
     import msgspec
@@ -214,6 +242,8 @@ def engine_main(argv: Sequence[str]) -> int:
     p.add_argument("--step-ms", type=float, default=0.0)
     p.add_argument("--stats", required=True)
     p.add_argument("--timeout", type=float, default=600)
+    # Engine death (DIE_AFTER_STEP_ENV): the driver passes it through the environment.
+    p.add_argument("--die-after-step", type=int, default=_die_after_step())
     args = p.parse_args(argv)
 
     if os.environ.get("PRIME_R3") != "0":
@@ -262,13 +292,11 @@ def engine_main(argv: Sequence[str]) -> int:
             live[req.request_id] = (sample_number(prompt, child), prompt)
         elif kind == EngineCoreRequestType.UTILITY:
             client_idx, call_id, method, call_args = generic.decode(frames[1:])
-            if method == "prime_r3_packed_hop":  # the client's declaration: EngineCore's
-                request = (client_idx, call_id, method, call_args)
-                EngineCoreProc._handle_client_request(engine, kind, request)
-                return
             result = {"get_supported_tasks": ("generate",)}.get(method)
             out = UtilityOutput(call_id, result=UtilityResult(result))
             output_queue.put_nowait((client_idx, EngineCoreOutputs(utility_output=out)))
+        elif kind == EngineCoreRequestType.WAKEUP:  # packed_hop's declaration: EngineCore's
+            EngineCoreProc._handle_client_request(engine, kind, generic.decode(frames[1:]))
         elif kind == EngineCoreRequestType.ABORT:
             for rid in generic.decode(frames[1:]):
                 if live.pop(rid, None) is not None:
@@ -311,6 +339,8 @@ def engine_main(argv: Sequence[str]) -> int:
             # Keep at most a few steps ahead of the output thread.
             while output_queue.qsize() > 4:
                 time.sleep(0.0002)
+            if stats["steps"] == args.die_after_step:
+                _die(stats, args.stats, output_queue)
             if args.step_ms:
                 next_at += args.step_ms / 1000
                 delay = next_at - time.monotonic()
@@ -459,6 +489,90 @@ def _config_with_r3() -> None:
     EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
 
 
+def _watch_engine(input_address: str) -> None:
+    """Engine death: the client's engine monitor as ``vllm serve`` with one API server has
+    it. There ``MPClient.start_engine_core_monitor`` watches the processes of its
+    ``CoreEngineProcManager`` and, once one exits, marks the engine dead and shuts the
+    client down (every request in flight fails with ``EngineDeadError``); given an
+    engine's addresses (``client_config``) it has no manager and watches nothing. Here it
+    gets a manager of the stand-in's process (found by its command line), run by vLLM's
+    own ``monitor_engine_liveness`` with a pidfd as the process's sentinel."""
+    from vllm.v1.engine.core_client import MPClient
+    from vllm.v1.engine.utils import CoreEngineProcManager
+
+    class Process:
+        name, exitcode = "EngineCore", None  # not our child: its exit code is unknown
+
+        def __init__(self, pid: int) -> None:
+            self.sentinel = os.pidfd_open(pid)
+
+    class Manager:
+        monitor_engine_liveness = CoreEngineProcManager.monitor_engine_liveness
+
+        def __init__(self, pid: int) -> None:
+            self.processes, self.failed_proc_name = [Process(pid)], None
+            self.manager_stopped = threading.Event()
+
+        def shutdown(self, timeout: float | None = None) -> None:
+            self.manager_stopped.set()
+
+    start = MPClient.start_engine_core_monitor
+
+    def start_engine_core_monitor(self: Any) -> None:
+        if self.resources.engine_manager is None:
+            self.resources.engine_manager = Manager(_engine_pid(input_address))
+        start(self)
+
+    MPClient.start_engine_core_monitor = start_engine_core_monitor  # type: ignore[method-assign]
+
+
+def _engine_pid(input_address: str) -> int:
+    """The engine stand-in's pid: the process running ``wave engine --input ADDRESS``."""
+    wanted = {b"prime_r3.bench.wave", b"engine", input_address.encode()}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = set(f.read().split(b"\0"))
+        except OSError:  # not a process, or gone
+            continue
+        if entry.isdigit() and wanted <= argv:
+            return int(entry)
+    raise RuntimeError(f"no engine stand-in process with --input {input_address}")
+
+
+def _rows_mappings() -> list[Any]:
+    """[time, VMAs, rows VMAs and their KiB, response_rows' mappings in flight, handed
+    out] of this process. Rows VMAs, the kernel's view of the rows mappings: private
+    read-write VMAs advised ``MADV_NOHUGEPAGE`` (``nh`` in ``/proc/self/smaps``; response_rows
+    advises each of its mappings so, and neighbours may merge into one VMA) that are not
+    a thread's stack (glibc advises those too, below a ``---p`` guard page, also ``nh``);
+    the upstream arm shows none."""
+    from prime_r3.fixes import response_rows
+
+    vmas: list[list[Any]] = []  # [permissions, KiB, nh]
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if line[0] in "0123456789abcdef":  # a VMA's header; its fields are capitalised
+                vmas.append([line.split()[1], 0, False])
+            elif line.startswith("Size:"):
+                vmas[-1][1] = int(line.split()[1])
+            elif line.startswith("VmFlags:"):
+                vmas[-1][2] = "nh" in line.split()
+    rows = [
+        kib
+        for below, (perms, kib, nh) in zip([None, *vmas], vmas, strict=False)
+        if nh and perms == "rw-p" and not (below and below[0] == "---p" and below[2])
+    ]
+    in_flight, handed = len(response_rows._IN_FLIGHT), len(response_rows._HANDED_OUT)
+    return [time.monotonic(), len(vmas), len(rows), sum(rows), in_flight, handed]
+
+
+async def _sample_rows_mappings(samples: list[list[Any]]) -> None:
+    while True:
+        samples.append(_rows_mappings())
+        await asyncio.sleep(0.1)
+
+
 def server_main(argv: Sequence[str]) -> int:
     """vLLM's API server worker, attached to the stand-in engine's sockets."""
     import uvloop
@@ -517,6 +631,9 @@ def server_main(argv: Sequence[str]) -> int:
         # R3 server's does, by the flag set once the config is built (``_config_with_r3``).
         if ours.r3:
             _config_with_r3()
+        dies = _die_after_step() > 0  # engine death: watch the engine, sample the mappings
+        if dies:
+            _watch_engine(ours.input)
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_argv)
         validate_parsed_serve_args(args)
         listen_address, sock = setup_server(args, reuse_port=False)
@@ -528,6 +645,10 @@ def server_main(argv: Sequence[str]) -> int:
         async def serve() -> None:
             probe = asyncio.get_running_loop().create_task(_probe(samples))
             stats["rss_start_kb"] = _rss_kb()
+            if dies:
+                maps = asyncio.get_running_loop().create_task(
+                    _sample_rows_mappings(stats.setdefault("rows_maps", []))
+                )
             if sampler is not None:
                 sampler.start()
             import gc
@@ -542,10 +663,14 @@ def server_main(argv: Sequence[str]) -> int:
                 )
             finally:
                 probe.cancel()
+                if dies:
+                    maps.cancel()
 
         try:
             uvloop.run(serve())
         finally:
+            if dies:
+                stats["rows_maps_end"] = _rows_mappings()
             stats["maxrss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             stats["prime_r3"] = _overlay_state()
             stats["samples"] = samples
@@ -610,6 +735,7 @@ def client_main(argv: Sequence[str]) -> int:
                         status=r.status,
                         bytes=len(data),
                         sha256=hashlib.sha256(normalised(data)).hexdigest(),
+                        chunks=sse_events(data) if streaming else 1,
                     )
                     if args.bodies:
                         with open(os.path.join(args.bodies, f"{i}.body"), "wb") as f:
@@ -624,9 +750,19 @@ def client_main(argv: Sequence[str]) -> int:
             await asyncio.gather(*(one(i, n, st) for i, (n, st) in enumerate(plan)))
         return {"start": start, "end": time.monotonic(), "results": results}
 
+    cpu0 = time.process_time()
+    found = asyncio.run(run())
+    found["cpu_s"] = time.process_time() - cpu0
+
     with open(args.out, "w") as f:
-        json.dump(asyncio.run(run()), f)
+        json.dump(found, f)
     return 0
+
+
+def sse_events(body: bytes) -> int:
+    """The server-sent events of a streamed body, ``data: [DONE]`` not counted."""
+    events = body.count(b"\n\ndata: ") + body.startswith(b"data: ")
+    return events - body.endswith(b"data: [DONE]\n\n")
 
 
 def health_main(argv: Sequence[str]) -> int:
@@ -685,6 +821,8 @@ def arm_env(arm: str, extra: dict[str, str] | None = None) -> dict[str, str]:
         env["PRIME_R3_ENGINE_GC_API_SERVER"] = "1"
     if arm == "prime_no_turns":  # what output_turns changes
         env["PRIME_R3_PATCHES"] = "-output_turns"
+    if arm.startswith("prime_slice"):  # output_turns with another slice (0: every step)
+        env["PRIME_R3_OUTPUT_TURNS_SLICE_MS"] = arm.removeprefix("prime_slice")
     env.update(extra or {})
     return env
 
@@ -862,6 +1000,8 @@ def summarise(
         "peak_rss_mb": server["maxrss_kb"] / 1024,
         "rss_start_mb": server.get("rss_start_kb", 0) / 1024,
         "bytes_per_response": statistics.median([r["bytes"] for r in ok]) if ok else 0,
+        "chunks_per_response": statistics.median([r["chunks"] for r in ok]) if ok else 0,
+        "client_cpu_ms_per_response": 1000 * client.get("cpu_s", float("nan")) / max(len(ok), 1),
         "wave_s": end - start,
         "finish_s": end - finish_from,
         "steps": engine.get("steps", 0),
@@ -902,6 +1042,8 @@ COLUMNS = (
     ("finish_cpu_ms_per_response", "fin cpu ms/resp", "{:.1f}"),
     ("peak_rss_mb", "peak RSS MB", "{:.0f}"),
     ("bytes_per_response", "bytes/resp", "{:.0f}"),
+    ("chunks_per_response", "chunks/resp", "{:.0f}"),
+    ("client_cpu_ms_per_response", "client cpu ms", "{:.1f}"),
     ("wave_s", "wave s", "{:.1f}"),
     ("finish_s", "finish s", "{:.2f}"),
 )
@@ -984,6 +1126,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _slice_arm(arm: str) -> bool:
+    """``prime_slice<MS>``: ``prime`` with ``output_turns``' slice set to MS milliseconds."""
+    ms = arm.removeprefix("prime_slice")
+    return ms != arm and ms.replace(".", "", 1).isdigit()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     roles = {"engine": engine_main, "server": server_main, "client": client_main}
@@ -999,7 +1147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.prompt_len = args.prompt_len or (16 if args.shape == "writeup" else 512)
         args.n = min(args.n, 4)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    bad = [a for a in arms if a not in ARMS]
+    bad = [a for a in arms if a not in ARMS and not _slice_arm(a)]
     if bad:
         raise SystemExit(f"--arms: {','.join(bad)} unknown; valid choices: {', '.join(ARMS)}")
     shape = make_shape(args)

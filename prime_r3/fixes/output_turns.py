@@ -1,4 +1,4 @@
-"""output_turns: the API server's output path gives the event loop a turn per queued step.
+"""output_turns: the API server's output path gives the event loop a turn per slice of backlog.
 
 What it replaces. Two places of ``vllm.v1.engine.core_client`` that work off a backlog of
 engine steps in one turn of the API server's event loop:
@@ -23,28 +23,39 @@ request's first output carries its prompt's), so backlogs are longer.
 
 The fast case, R3 on in this client (``vllm_config.aux_output_config.
 enable_return_routed_experts``; a config without it counts as R3 off, so no wrapper
-raises where upstream's call would not):
+raises where upstream's call would not). Each of the two tasks works off a backlog for a
+*slice* of wall time since it last waited or turned, then gives the loop one turn. A
+slice lasts the setting (``PRIME_R3_OUTPUT_TURNS_SLICE_MS``, default 25 ms; 0: a turn
+before every waiting step), or as long as the rest of the loop ran during the task's last
+turn if that is longer (a fair share; at most ``MAX_TURN_FACTOR`` x the setting). Within a
+slice a task runs as upstream's does, so a stream's collector still merges the steps of a
+slice into one chunk, as upstream's merges a whole backlog, and a loop busy with many
+streams gets longer slices (a turn before every step made streamed responses many more,
+smaller chunks, and the API server fell further behind):
 
-* the handler asks for a step and one is already queued: one ``await asyncio.sleep(0)``
-  (a turn of the loop), then upstream's ``get_output_async``. Only the handler takes
-  from the queue, so the step is still there and upstream's call returns it at once
-  (``turns``). The queue empty or not made yet: upstream's call, which waits for the
-  next step and so gives the loop its turn anyway (``waited``);
+* the handler asks for a step and one is already queued: within the slice, upstream's
+  ``get_output_async`` (``within``); past it, one ``await asyncio.sleep(0)`` (a turn of
+  the loop), then upstream's call (``turns``). Only the handler takes from the queue, so
+  the step is still there and upstream's call returns it at once. The queue empty or not
+  made yet: upstream's call, which waits for the next step and so gives the loop its turn
+  anyway (``waited``); a slice starts at the next step found queued. The slice's start
+  is kept per queue in a weak mapping (nothing is written to the client);
 * upstream makes the socket task: just before, the client's output socket gets its own
   ``recv_multipart`` (an attribute of that socket object; the closure looks the method
   up on it for every receive). While the previous receive's future was pending (or
   there was none), it returns the future of the socket class's method, called with the
-  same arguments, as is. Once a receive found its message already waiting (its future
-  was done), the next call returns a task (a Future too: awaitable, cancellable, with
-  done callbacks) that gives the loop a turn (``asyncio.sleep(0)``; with the task's own
-  start and the caller's resumption, three passes of the loop where the diff's inline
-  ``sleep(0)`` takes one), then receives the same way and returns that result
-  (``socket_turns``). It holds the socket by a weak reference only. A socket whose own
-  ``__dict__`` already has a ``recv_multipart`` (someone else's), that has no
-  ``__dict__``, whose class has no ``recv_multipart`` method, or that cannot be weakly
-  referenced or hashed, is left as found (``socket_foreign``); if upstream's call raises
-  (e.g. called with no running loop), the attribute is removed again, so a later call
-  starts afresh.
+  same arguments, as is, and a slice starts. Once a receive found its message already
+  waiting (its future was done), the next call within the slice does the same
+  (``socket_within``); past the slice it returns a task (a Future too: awaitable,
+  cancellable, with done callbacks) that gives the loop a turn (``asyncio.sleep(0)``;
+  with the task's own start and the caller's resumption, three passes of the loop where
+  the diff's inline ``sleep(0)`` takes one), starts a slice, then receives the same way
+  and returns that result (``socket_turns``). It holds the socket by a weak reference
+  only. A socket whose own ``__dict__`` already has a ``recv_multipart`` (someone
+  else's), that has no ``__dict__``, whose class has no ``recv_multipart`` method, or
+  that cannot be weakly referenced or hashed, is left as found (``socket_foreign``); if
+  upstream's call raises (e.g. called with no running loop), the attribute is removed
+  again, so a later call starts afresh.
 
 Otherwise upstream's calls unchanged: R3 off (the handler's calls count ``r3_off``; the
 socket gets no attribute), or a socket task already made (a client made before the
@@ -64,10 +75,11 @@ the step in the queue, as a cancellation of upstream's waiting call does; one th
 after the turn's task received but before the socket task resumed drops that message,
 as upstream's does for a message that arrived while it waited (only the client's
 shutdown, which closes the socket in the same callback, and the loop's own teardown
-cancel these tasks). What changes is when they run: between two waiting
-steps, the tasks and callbacks that were ready run once. A streamed response may then
-get a backlog's tokens in more, smaller chunks (its collector merges only the steps that
-arrived before it ran); the content is the same. An engine's death queued behind a
+cancel these tasks). What changes is when they run: once a slice of
+working off a backlog is used up, the tasks and callbacks that were ready run once. A
+streamed response behind the engine may then get a backlog's tokens in a few more chunks
+than upstream's (one per slice at most; its collector merges the steps that arrived
+before it ran); the content is the same. An engine's death queued behind a
 backlog reaches the client a few turns later than upstream's would; a request added
 meanwhile gets ``EngineDeadError`` from the handler's propagation instead of from
 ``add_request``'s check.
@@ -77,44 +89,63 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from prime_r3.config import parse_float_in_range
 from prime_r3.counts import Counts
-from prime_r3.spec import Anchor, PatchSpec, Process, Target, WrapperFn
+from prime_r3.spec import Anchor, Param, PatchSpec, Process, Target, WrapperFn
 
 _CLIENT = "vllm.v1.engine.core_client"
 _ASYNC_LLM = "vllm.v1.engine.async_llm"
 
-COUNTERS = Counts("turns", "waited", "r3_off", "socket_turns", "socket_foreign")
+COUNTERS = Counts(
+    "turns", "within", "waited", "r3_off", "socket_turns", "socket_within", "socket_foreign"
+)
+
+#: Default of ``PRIME_R3_OUTPUT_TURNS_SLICE_MS``: the work a task does off a backlog
+#: before it gives the loop a turn.
+DEFAULT_SLICE_MS = 25.0
+MAX_SLICE_MS = 1000.0
+
+#: The clock the slices are measured with (a module attribute, so tests can set it).
+_clock = time.monotonic
 
 
 def live_note() -> str:
     """What the patch has done in this process (``prime-r3 status``, the log)."""
     c = COUNTERS.snapshot()
-    sockets = f"socket turns {c['socket_turns']}"
+    sockets = f"socket turns {c['socket_turns']} (receives within a slice {c['socket_within']})"
     if c["socket_foreign"]:
         sockets += f", sockets left as found {c['socket_foreign']}"
-    if not (c["turns"] or c["waited"] or c["r3_off"]):
+    if not (c["turns"] or c["within"] or c["waited"] or c["r3_off"]):
         return f"no output handler has asked for a step in this process yet; {sockets}"
-    if c["r3_off"] and not (c["turns"] or c["waited"]):
+    if c["r3_off"] and not (c["turns"] or c["within"] or c["waited"]):
         return f"R3 is off in this client: upstream's calls ({c['r3_off']})"
     return (
-        f"turns given {c['turns']}, calls that waited {c['waited']}, R3 off {c['r3_off']}; "
-        + sockets
+        f"turns given {c['turns']}, steps taken within a slice {c['within']}, calls that "
+        f"waited {c['waited']}, R3 off {c['r3_off']}; " + sockets
     )
 
 
 def _output_task(params: Mapping[str, Any]) -> WrapperFn:
-    return _socket_turns
+    slice_s = params["slice_ms"] / 1000
+
+    def socket_turns(wrapped: Any, client: Any, args: Any, kwargs: Any) -> Any:
+        return _socket_turns(wrapped, client, args, kwargs, slice_s)
+
+    return socket_turns
 
 
 #: Each output socket given a ``recv_multipart`` -> that function (``revert`` removes it).
 _TURNING: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
-def _socket_turns(wrapped: Any, client: Any, args: Any, kwargs: Any) -> Any:
+def _socket_turns(
+    wrapped: Any, client: Any, args: Any, kwargs: Any, slice_s: float = DEFAULT_SLICE_MS / 1000
+) -> Any:
     """The wrapper of ``_ensure_output_queue_task`` (wrapt's ``wrapped, instance, args,
     kwargs``): with R3 on, before upstream makes the socket task, the client's output
     socket gets ``_turning_recv``; then upstream's call, whatever it returns or raises."""
@@ -130,7 +161,7 @@ def _socket_turns(wrapped: Any, client: Any, args: Any, kwargs: Any) -> Any:
         and callable(getattr(type(sock), "recv_multipart", None))
     ):
         with contextlib.suppress(TypeError):  # not weakly referenceable or not hashable
-            recv = _turning_recv(sock)
+            recv = _turning_recv(sock, slice_s)
     if recv is None:  # not ours to wrap: upstream's socket task, the socket as found
         COUNTERS.socket_foreign += 1
         return wrapped(*args, **kwargs)
@@ -143,11 +174,12 @@ def _socket_turns(wrapped: Any, client: Any, args: Any, kwargs: Any) -> Any:
         raise
 
 
-def _turning_recv(sock: Any) -> Callable[..., Any]:
+def _turning_recv(sock: Any, slice_s: float) -> Callable[..., Any]:
     """``sock.recv_multipart`` for the socket task: the future of the socket class's
-    method (looked up on the socket's class at each call) as is, or, once a receive found
-    its message already waiting, a task that gives the loop one turn, then receives."""
-    ref, behind = weakref.ref(sock), False
+    method (looked up on the socket's class at each call) as is, or, once the task has
+    used up its slice receiving messages that were already waiting, a task that gives the
+    loop one turn, then receives."""
+    ref, behind, slices = weakref.ref(sock), False, _Slices(slice_s)
 
     def receive(*args: Any, **kwargs: Any) -> Any:
         nonlocal behind
@@ -157,11 +189,15 @@ def _turning_recv(sock: Any) -> Callable[..., Any]:
         return future
 
     async def after_a_turn(*args: Any, **kwargs: Any) -> Any:
-        await asyncio.sleep(0)
+        await slices.turn()
         return await receive(*args, **kwargs)
 
     def recv_multipart(*args: Any, **kwargs: Any) -> Any:
-        if not behind:
+        if not behind:  # the previous receive waited (or none yet): a slice starts
+            slices.start()
+            return receive(*args, **kwargs)
+        if not slices.used_up():
+            COUNTERS.socket_within += 1
             return receive(*args, **kwargs)
         COUNTERS.socket_turns += 1
         return asyncio.ensure_future(after_a_turn(*args, **kwargs))
@@ -186,21 +222,70 @@ def _r3_on(client: Any) -> bool:
 
 
 def _get_output_async(params: Mapping[str, Any]) -> WrapperFn:
-    return _turn_then
+    slice_s = params["slice_ms"] / 1000
+
+    async def turn_then(wrapped: Any, client: Any, args: Any, kwargs: Any) -> Any:
+        return await _turn_then(wrapped, client, args, kwargs, slice_s)
+
+    return turn_then
 
 
-async def _turn_then(wrapped: Any, client: Any, args: Any, kwargs: Any) -> Any:
-    """The wrapper (wrapt's ``wrapped, instance, args, kwargs``): a turn of the loop if a
-    step is already queued (R3 on), then upstream's call."""
+class _Slices:
+    """When a task working off a backlog gives the loop a turn: once it has worked for its
+    slice since the first waiting item it found (``since``) or its last turn. A slice
+    lasts ``base``, or as long as the rest of the loop ran during the task's last turn if
+    that is longer (a fair share), at most ``MAX_TURN_FACTOR`` x ``base``."""
+
+    __slots__ = ("base", "since", "length")
+
+    def __init__(self, base: float) -> None:
+        self.base, self.since, self.length = base, None, base
+
+    def start(self) -> None:
+        self.since, self.length = _clock(), self.base
+
+    def used_up(self) -> bool:
+        if self.since is None:  # the first waiting item since the task waited
+            self.start()
+        return _clock() - self.since >= self.length
+
+    async def turn(self) -> None:
+        before = _clock()
+        await asyncio.sleep(0)
+        self.since = _clock()
+        away = self.since - before
+        self.length = min(max(self.base, away), MAX_TURN_FACTOR * self.base)
+
+
+#: A slice is at most this many times the setting (250 ms by default).
+MAX_TURN_FACTOR = 10
+
+#: Each client's outputs queue -> its handler's slices (nothing is written to the client).
+_SLICES: weakref.WeakKeyDictionary[Any, _Slices] = weakref.WeakKeyDictionary()
+
+
+async def _turn_then(
+    wrapped: Any, client: Any, args: Any, kwargs: Any, slice_s: float = DEFAULT_SLICE_MS / 1000
+) -> Any:
+    """The wrapper (wrapt's ``wrapped, instance, args, kwargs``), R3 on: a step queued
+    and the handler's slice used up: a turn of the loop first; then upstream's call."""
     if not _r3_on(client):
         COUNTERS.r3_off += 1
-    else:
-        queued = client.outputs_queue
-        if queued is not None and not queued.empty():
-            COUNTERS.turns += 1
-            await asyncio.sleep(0)
-        else:
-            COUNTERS.waited += 1
+        return await wrapped(*args, **kwargs)
+    queued = client.outputs_queue
+    if queued is None or queued.empty():  # upstream's call waits: the loop turns anyway
+        COUNTERS.waited += 1
+        if queued is not None and queued in _SLICES:
+            _SLICES[queued].since = None  # the next step found queued starts a slice
+        return await wrapped(*args, **kwargs)
+    slices = _SLICES.get(queued)
+    if slices is None:
+        slices = _SLICES[queued] = _Slices(slice_s)
+    if not slices.used_up():
+        COUNTERS.within += 1
+        return await wrapped(*args, **kwargs)
+    COUNTERS.turns += 1
+    await slices.turn()
     return await wrapped(*args, **kwargs)
 
 
@@ -228,6 +313,16 @@ SPEC = PatchSpec(
         Anchor(_CLIENT, "AsyncMPClient.__init__", _CLIENT_INIT),
         Anchor(_ASYNC_LLM, "AsyncLLM._run_output_handler", _OUTPUT_HANDLER),
         Anchor("vllm.config.aux_output", "AuxOutputConfig.compute_hash", _AUX_CONFIG),
+    ),
+    params=(
+        Param(
+            "slice_ms",
+            DEFAULT_SLICE_MS,
+            parse_float_in_range(0.0, MAX_SLICE_MS),
+            "work the socket task and the output handler each do off a backlog of steps "
+            "before giving the event loop a turn (0: a turn before every waiting step)",
+            f"a number of milliseconds in 0..{MAX_SLICE_MS:g}, e.g. 25",
+        ),
     ),
     notes="Same steps, same order; only when the socket task and the handler run changes.",
     on_revert=_forget_sockets,

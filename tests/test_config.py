@@ -80,6 +80,17 @@ def test_malformed_param_names_variable_value_and_expectation(value: str) -> Non
     assert "three integers in 0..2147483647" in message
 
 
+def test_output_turns_slice_default_override_and_bad_values() -> None:
+    assert settings().params["output_turns"]["slice_ms"] == 25.0
+    assert settings(PRIME_R3_OUTPUT_TURNS_SLICE_MS="0").params["output_turns"]["slice_ms"] == 0.0
+    for value in ("-1", "1001", "nan", "fast"):
+        with pytest.raises(config.ConfigError) as info:
+            settings(PRIME_R3_OUTPUT_TURNS_SLICE_MS=value)
+        message = str(info.value)
+        assert f"PRIME_R3_OUTPUT_TURNS_SLICE_MS={value!r}" in message
+        assert "milliseconds in 0..1000" in message
+
+
 def test_gc_threshold_range_is_exactly_what_gc_set_threshold_accepts() -> None:
     """The limit is gc.set_threshold's own (C int), checked against the interpreter."""
     import gc

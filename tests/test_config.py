@@ -81,7 +81,7 @@ def test_malformed_param_names_variable_value_and_expectation(value: str) -> Non
 
 
 def test_output_turns_slice_default_override_and_bad_values() -> None:
-    assert settings().params["output_turns"]["slice_ms"] == 25.0
+    assert settings().params["output_turns"]["slice_ms"] == 100.0
     assert settings(PRIME_R3_OUTPUT_TURNS_SLICE_MS="0").params["output_turns"]["slice_ms"] == 0.0
     for value in ("-1", "1001", "nan", "fast"):
         with pytest.raises(config.ConfigError) as info:

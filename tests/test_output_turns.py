@@ -12,7 +12,6 @@ The slice's clock itself is held in process (``test_*_slice_*``).
 
 from __future__ import annotations
 
-import itertools
 import os
 import pickle
 import subprocess
@@ -498,55 +497,3 @@ def test_the_socket_task_turns_once_a_slice_of_waiting_messages_is_used_up(
     # follows a wait: a new slice at 90; 10, 11 within; 12 a turn (120).
     expected = [False, False, False, True, False, False, True, False, False, False, False]
     assert turned == [*expected, False, True], turned
-
-
-def test_a_turn_the_rest_of_the_loop_took_long_gives_a_longer_slice(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Fair share: while the rest of the loop (say, many streams sending their chunks)
-    takes 60 ms a turn, the handler's next slice is 60 ms, not 25 ms, so a loop busy
-    with streams is turned less often; past ``MAX_TURN_FACTOR`` x 25 ms it is capped."""
-    import asyncio
-
-    from prime_r3.fixes import output_turns
-
-    clock = _Clock()
-    monkeypatch.setattr(output_turns, "_clock", clock)
-    turn_then = output_turns._get_output_async({"slice_ms": 25})
-    away = {"s": 0.060}
-
-    async def main() -> list[float]:
-        queue: asyncio.Queue[int] = asyncio.Queue()
-        aux = SimpleNamespace(enable_return_routed_experts=True)
-        client = SimpleNamespace(vllm_config=SimpleNamespace(aux_output_config=aux))
-        client.outputs_queue = queue
-
-        async def others() -> None:  # the rest of the loop: away["s"] per turn
-            while True:
-                clock.now += away["s"]
-                await asyncio.sleep(0)
-
-        busy = asyncio.create_task(others())
-        for k in range(40):
-            queue.put_nowait(k)
-        turned_at = []
-        for _ in range(40):
-            start = clock.now
-            await turn_then(queue.get, client, (), {})
-            if clock.now != start:  # the loop turned: the others ran
-                turned_at.append(round(start, 3))
-            clock.now += 0.010  # the step's processing
-        busy.cancel()
-        return turned_at
-
-    turned_at = asyncio.run(main())
-    gaps = [round(b - a, 3) for a, b in itertools.pairwise(turned_at)]
-    # The first turn once the 25 ms slice is used up (steps at 0, 10, 20 ms within it);
-    # from then on a 60 ms slice (six 10 ms steps) and the others' 60 ms between turns.
-    assert turned_at[0] == pytest.approx(0.030)
-    assert set(gaps) == {0.120}, gaps
-    # The others take 400 ms a turn: the slice is capped at 250 ms.
-    away["s"] = 0.400
-    turned_at = asyncio.run(main())
-    gaps = [round(b - a, 3) for a, b in itertools.pairwise(turned_at)]
-    assert set(gaps) == {0.650}, gaps

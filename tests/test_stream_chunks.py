@@ -4,11 +4,12 @@ A small streamed wave on vLLM's real API server (``prime_r3.bench.wave``), its e
 stand-in sending steps as fast as the server reads them, so the server is behind the
 engine for the whole wave: upstream's output handler works each backlog off in one turn
 of the loop and a stream's collector merges it into one chunk. The overlay gives the loop
-a turn once a slice (25 ms) of a backlog is worked off, so a stream gets at most about
-one chunk per slice more than upstream's; a turn before every waiting step (slice 0, the
-patch before slices) sends about one chunk per step. The measure is the mechanism (chunks
-per response), not a timing; the margin (``max_tokens / 8`` chunks over upstream's) is
-many slices of this wave on a loaded machine, and a small part of a chunk per step.
+a turn once a slice (100 ms) of a backlog is worked off, so a stream gets at most about
+one chunk per 100 ms of the server's work more than upstream's; a turn before every
+waiting step (slice 0, the patch before slices) sends about one chunk per step. The
+measure is the mechanism (chunks per response); slices are wall time, so the margin is
+wide: a quarter of the steps, where the server works off a step here in about 1 ms (a
+chunk per ~100 steps from the slices), so it holds for a server up to ~25x slower.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from prime_r3.bench import wave
 from tests.test_front_end_parity import _stream_content
 
 SHAPE = wave.Shape("chunks", requests=16, n=1, prompt_len=16, max_tokens=400)
-MARGIN = SHAPE.max_tokens // 8
+MARGIN = SHAPE.max_tokens // 4
 
 
 @pytest.fixture(scope="module")

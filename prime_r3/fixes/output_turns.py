@@ -24,14 +24,12 @@ request's first output carries its prompt's), so backlogs are longer.
 The fast case, R3 on in this client (``vllm_config.aux_output_config.
 enable_return_routed_experts``; a config without it counts as R3 off, so no wrapper
 raises where upstream's call would not). Each of the two tasks works off a backlog for a
-*slice* of wall time since it last waited or turned, then gives the loop one turn. A
-slice lasts the setting (``PRIME_R3_OUTPUT_TURNS_SLICE_MS``, default 25 ms; 0: a turn
-before every waiting step), or as long as the rest of the loop ran during the task's last
-turn if that is longer (a fair share; at most ``MAX_TURN_FACTOR`` x the setting). Within a
-slice a task runs as upstream's does, so a stream's collector still merges the steps of a
-slice into one chunk, as upstream's merges a whole backlog, and a loop busy with many
-streams gets longer slices (a turn before every step made streamed responses many more,
-smaller chunks, and the API server fell further behind):
+*slice* of wall time (``PRIME_R3_OUTPUT_TURNS_SLICE_MS``, default 100 ms; 0: a turn before
+every waiting step) since it last waited or turned, then gives the loop one turn. Within
+a slice a task runs as upstream's does, so a stream's collector still merges the steps of
+a slice into one chunk, as upstream's merges a whole backlog (a turn before every step
+made streamed responses many more, smaller chunks, and the API server fell further
+behind):
 
 * the handler asks for a step and one is already queued: within the slice, upstream's
   ``get_output_async`` (``within``); past it, one ``await asyncio.sleep(0)`` (a turn of
@@ -39,7 +37,8 @@ smaller chunks, and the API server fell further behind):
   the step is still there and upstream's call returns it at once. The queue empty or not
   made yet: upstream's call, which waits for the next step and so gives the loop its turn
   anyway (``waited``); a slice starts at the next step found queued. The slice's start
-  is kept per queue in a weak mapping (nothing is written to the client);
+  is kept per queue in a weak mapping (nothing is written to the client; ``revert``
+  clears it);
 * upstream makes the socket task: just before, the client's output socket gets its own
   ``recv_multipart`` (an attribute of that socket object; the closure looks the method
   up on it for every receive). While the previous receive's future was pending (or
@@ -107,7 +106,7 @@ COUNTERS = Counts(
 
 #: Default of ``PRIME_R3_OUTPUT_TURNS_SLICE_MS``: the work a task does off a backlog
 #: before it gives the loop a turn.
-DEFAULT_SLICE_MS = 25.0
+DEFAULT_SLICE_MS = 100.0
 MAX_SLICE_MS = 1000.0
 
 #: The clock the slices are measured with (a module attribute, so tests can set it).
@@ -179,7 +178,7 @@ def _turning_recv(sock: Any, slice_s: float) -> Callable[..., Any]:
     method (looked up on the socket's class at each call) as is, or, once the task has
     used up its slice receiving messages that were already waiting, a task that gives the
     loop one turn, then receives."""
-    ref, behind, slices = weakref.ref(sock), False, _Slices(slice_s)
+    ref, behind, since = weakref.ref(sock), False, 0.0
 
     def receive(*args: Any, **kwargs: Any) -> Any:
         nonlocal behind
@@ -189,14 +188,17 @@ def _turning_recv(sock: Any, slice_s: float) -> Callable[..., Any]:
         return future
 
     async def after_a_turn(*args: Any, **kwargs: Any) -> Any:
-        await slices.turn()
+        nonlocal since
+        await asyncio.sleep(0)
+        since = _clock()
         return await receive(*args, **kwargs)
 
     def recv_multipart(*args: Any, **kwargs: Any) -> Any:
+        nonlocal since
         if not behind:  # the previous receive waited (or none yet): a slice starts
-            slices.start()
+            since = _clock()
             return receive(*args, **kwargs)
-        if not slices.used_up():
+        if _clock() - since < slice_s:
             COUNTERS.socket_within += 1
             return receive(*args, **kwargs)
         COUNTERS.socket_turns += 1
@@ -207,12 +209,14 @@ def _turning_recv(sock: Any, slice_s: float) -> Callable[..., Any]:
 
 
 def _forget_sockets() -> None:
-    """``revert``: every socket's own ``recv_multipart`` removed (its class's again)."""
+    """``revert``: every socket's own ``recv_multipart`` removed (its class's again), and
+    every handler's slice forgotten."""
     for sock, ours in list(_TURNING.items()):
         own = vars(sock)
         if own.get("recv_multipart") is ours:
             del own["recv_multipart"]
     _TURNING.clear()
+    _SINCE.clear()
 
 
 def _r3_on(client: Any) -> bool:
@@ -230,38 +234,9 @@ def _get_output_async(params: Mapping[str, Any]) -> WrapperFn:
     return turn_then
 
 
-class _Slices:
-    """When a task working off a backlog gives the loop a turn: once it has worked for its
-    slice since the first waiting item it found (``since``) or its last turn. A slice
-    lasts ``base``, or as long as the rest of the loop ran during the task's last turn if
-    that is longer (a fair share), at most ``MAX_TURN_FACTOR`` x ``base``."""
-
-    __slots__ = ("base", "since", "length")
-
-    def __init__(self, base: float) -> None:
-        self.base, self.since, self.length = base, None, base
-
-    def start(self) -> None:
-        self.since, self.length = _clock(), self.base
-
-    def used_up(self) -> bool:
-        if self.since is None:  # the first waiting item since the task waited
-            self.start()
-        return _clock() - self.since >= self.length
-
-    async def turn(self) -> None:
-        before = _clock()
-        await asyncio.sleep(0)
-        self.since = _clock()
-        away = self.since - before
-        self.length = min(max(self.base, away), MAX_TURN_FACTOR * self.base)
-
-
-#: A slice is at most this many times the setting (250 ms by default).
-MAX_TURN_FACTOR = 10
-
-#: Each client's outputs queue -> its handler's slices (nothing is written to the client).
-_SLICES: weakref.WeakKeyDictionary[Any, _Slices] = weakref.WeakKeyDictionary()
+#: Each client's outputs queue -> when its handler began working off the current backlog
+#: (the first step it found queued since it last waited, or the end of its last turn).
+_SINCE: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 
 
 async def _turn_then(
@@ -275,17 +250,16 @@ async def _turn_then(
     queued = client.outputs_queue
     if queued is None or queued.empty():  # upstream's call waits: the loop turns anyway
         COUNTERS.waited += 1
-        if queued is not None and queued in _SLICES:
-            _SLICES[queued].since = None  # the next step found queued starts a slice
+        if queued is not None:
+            _SINCE.pop(queued, None)  # the next step found queued starts a slice
         return await wrapped(*args, **kwargs)
-    slices = _SLICES.get(queued)
-    if slices is None:
-        slices = _SLICES[queued] = _Slices(slice_s)
-    if not slices.used_up():
+    now = _clock()
+    if now - _SINCE.setdefault(queued, now) < slice_s:
         COUNTERS.within += 1
         return await wrapped(*args, **kwargs)
     COUNTERS.turns += 1
-    await slices.turn()
+    await asyncio.sleep(0)
+    _SINCE[queued] = _clock()
     return await wrapped(*args, **kwargs)
 
 
@@ -298,7 +272,7 @@ _OUTPUT_HANDLER = frozenset({"af9f4cc5aa44a56f", "47a49110a9a7fbcd", "add96d65cc
 
 SPEC = PatchSpec(
     name="output_turns",
-    summary="API server: socket task and output handler yield to the loop between waiting steps",
+    summary="API server: socket task and output handler yield to the loop per slice of backlog",
     vllm_range=">=0.31,<0.34",
     processes=frozenset({Process.API_SERVER}),
     targets=(
@@ -321,7 +295,7 @@ SPEC = PatchSpec(
             parse_float_in_range(0.0, MAX_SLICE_MS),
             "work the socket task and the output handler each do off a backlog of steps "
             "before giving the event loop a turn (0: a turn before every waiting step)",
-            f"a number of milliseconds in 0..{MAX_SLICE_MS:g}, e.g. 25",
+            f"a number of milliseconds in 0..{MAX_SLICE_MS:g}, e.g. 100",
         ),
     ),
     notes="Same steps, same order; only when the socket task and the handler run changes.",

@@ -49,6 +49,11 @@ TOOLS = (
     Tool("api-gc", "bench_api_server_gc.py", "API server's R3 work under two GC thresholds"),
     Tool("wave", "bench_wave.py", "API server: a wave of long R3 responses finishing together"),
     Tool("finish", "bench_finish.py", "API server: one finished long response's R3 work"),
+    Tool(
+        "rows-stress",
+        "bench_rows_stress.py",
+        "API server: 10,000 long R3 requests in flight, memory, maps, parity",
+    ),
 )
 BY_NAME = {tool.name: tool for tool in TOOLS}
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"

@@ -137,7 +137,7 @@ _FAKE_PACKAGE = {
 
 def _wheel_reader(root: pathlib.Path) -> fingerprint.Reader:
     script = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "scripts/fingerprint.py"))
-    return script["_wheel_reader"](str(root))
+    return script["tree_reader"](str(root))
 
 
 @pytest.mark.parametrize("how", ["files", "imported", "wheel_reader"])

@@ -39,15 +39,19 @@ def _bodies(directory: Path) -> dict[int, bytes]:
 
 
 def run_parity_wave(
-    arm: str, work: Path, env_extra: dict[str, str] | None = None
+    arm: str,
+    work: Path,
+    env_extra: dict[str, str] | None = None,
+    shape: wave.Shape = SHAPE,
+    stream: bool = False,
 ) -> dict[str, Any]:
-    """One arm of the parity wave (``SHAPE``), every body kept."""
+    """One arm of a wave (the parity wave, ``SHAPE``, by default), every body kept."""
     bodies = work / "bodies"
     bodies.mkdir()
     summary = wave.run_arm(
         arm,
-        SHAPE,
-        stream=False,
+        shape,
+        stream=stream,
         timeout=240,
         step_ms=0.0,
         workdir=str(work),

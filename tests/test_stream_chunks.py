@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from prime_r3.bench import wave
-from tests.test_front_end_parity import _stream_content
+from tests.test_front_end_parity import _stream_content, run_parity_wave
 
 SHAPE = wave.Shape("chunks", requests=16, n=1, prompt_len=16, max_tokens=400)
 MARGIN = SHAPE.max_tokens // 4
@@ -28,23 +28,12 @@ MARGIN = SHAPE.max_tokens // 4
 
 @pytest.fixture(scope="module")
 def streamed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    found = {}
-    for arm in ("upstream", "prime", "prime_slice0"):
-        work = tmp_path_factory.mktemp(f"stream_{arm}")
-        bodies = work / "bodies"
-        bodies.mkdir()
-        summary = wave.run_arm(
-            arm,
-            SHAPE,
-            stream=True,
-            timeout=240,
-            step_ms=0.0,
-            workdir=str(work),
-            bodies=str(bodies),
+    return {
+        arm: run_parity_wave(
+            arm, tmp_path_factory.mktemp(f"stream_{arm}"), shape=SHAPE, stream=True
         )
-        kept = {int(p.stem): p.read_bytes() for p in bodies.glob("*.body")}
-        found[arm] = {"summary": summary, "bodies": kept}
-    return found
+        for arm in ("upstream", "prime", "prime_slice0")
+    }
 
 
 def _chunks(bodies: dict[int, bytes]) -> float:

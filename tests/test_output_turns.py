@@ -272,20 +272,13 @@ def test_the_socket_recv_awaits_the_class_methods_future_and_turns_when_behind()
     async def main() -> list[tuple[Any, int]]:
         sock = Waiting()
         output_turns._socket_turns(lambda: None, _client(sock), (), {}, 0.0)  # every step
-        turns = 0
-
-        async def ticker() -> None:
-            nonlocal turns
-            while True:
-                turns += 1
-                await asyncio.sleep(0)
-
-        ticking = asyncio.create_task(ticker())
+        turns = _Turns()
+        ticking = asyncio.create_task(turns.count())
         await asyncio.sleep(0)
         got = []
         for _ in range(4):
-            start = turns
-            got.append((await sock.recv_multipart(copy=False), turns - start))
+            start = turns.seen
+            got.append((await sock.recv_multipart(copy=False), turns.seen - start))
         ticking.cancel()
         output_turns._forget_sockets()
         return got
@@ -372,6 +365,19 @@ def test_a_socket_not_ours_to_wrap_is_left_as_found(make: Any) -> None:
     assert vars(sock) == found
 
 
+class _Turns:
+    """The event loop's turns, counted by a task that yields at each (``count``)."""
+
+    seen = 0
+
+    async def count(self) -> None:
+        import asyncio
+
+        while True:
+            self.seen += 1
+            await asyncio.sleep(0)
+
+
 class _Clock:
     """``output_turns._clock`` for a test: time moves only when the test says."""
 
@@ -402,24 +408,17 @@ def test_the_handler_turns_once_a_slice_of_backlog_is_used_up(
         aux = SimpleNamespace(enable_return_routed_experts=True)
         client = SimpleNamespace(vllm_config=SimpleNamespace(aux_output_config=aux))
         client.outputs_queue = queue
-        turns = 0
-
-        async def ticker() -> None:
-            nonlocal turns
-            while True:
-                turns += 1
-                await asyncio.sleep(0)
-
-        ticking = asyncio.create_task(ticker())
+        turns = _Turns()
+        ticking = asyncio.create_task(turns.count())
         await asyncio.sleep(0)
         for k in range(8):
             queue.put_nowait(k)
         before = output_turns.COUNTERS.snapshot()
         got, turns_before = [], []
         for _ in range(8):
-            start = turns
+            start = turns.seen
             got.append(await turn_then(queue.get, client, (), {}))
-            turns_before.append(turns - start)
+            turns_before.append(turns.seen - start)
             clock.now += 0.010  # the step's processing
         # Empty: the call waits (the loop turns), and the next backlog's slice starts anew.
         waiting = asyncio.create_task(turn_then(queue.get, client, (), {}))
@@ -428,9 +427,9 @@ def test_the_handler_turns_once_a_slice_of_backlog_is_used_up(
             queue.put_nowait(k)
         got.append(await waiting)
         for _ in range(2):
-            start = turns
+            start = turns.seen
             got.append(await turn_then(queue.get, client, (), {}))
-            turns_before.append(turns - start)
+            turns_before.append(turns.seen - start)
             clock.now += 0.010
         ticking.cancel()
         after = output_turns.COUNTERS.snapshot()

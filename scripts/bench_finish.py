@@ -12,7 +12,9 @@ rotated, medians): the serving module's ``numpy2base64`` of the request's rows, 
 its own (``--tokens`` x 46 x 8 uint8, made before timing, dropped with the response).
 
 Arms: ``off`` (R3 off: the same responses without routed experts, ``PRIME_R3=0``),
-``upstream`` (``PRIME_R3=0``), ``prime`` (prime_r3 applied). Per arm: process CPU (user +
+``upstream`` (``PRIME_R3=0``), ``prime`` (prime_r3 applied), and on request
+``prime_again`` (``prime`` once more, the A/A arm), ``prime-response_b64`` and
+``prime-response_json`` (every patch but that one: what it buys). Per arm: process CPU (user +
 system) per response, minor page faults per response, and the sha256 of the bodies
 (``upstream`` and ``prime`` identical in every round). The R3 increment is each R3 arm
 less ``off`` (the token ids' validation and JSON, the rest of the model).
@@ -40,7 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchkit  # noqa: E402
 
 LAYERS, TOPK = 46, 8
-ARMS = {"off": {"PRIME_R3": "0"}, "upstream": {"PRIME_R3": "0"}, "prime": {}}
+ARMS = {
+    "off": {"PRIME_R3": "0"},
+    "upstream": {"PRIME_R3": "0"},
+    "prime": {},
+    "prime_again": {},  # the A/A arm: what arms that cannot differ read
+    "prime-response_b64": {"PRIME_R3_PATCHES": "all,-response_b64"},
+    "prime-response_json": {"PRIME_R3_PATCHES": "all,-response_json"},
+}
 
 
 def child(responses: int, tokens: int, r3: bool) -> dict[str, Any]:
@@ -102,7 +111,14 @@ def child(responses: int, tokens: int, r3: bool) -> dict[str, Any]:
 
 
 #: What each arm must have run: the patches applied in the child.
-EXPECTED = {"off": [], "upstream": [], "prime": ["response_b64", "response_json"]}
+EXPECTED = {
+    "off": [],
+    "upstream": [],
+    "prime": ["response_b64", "response_json"],
+    "prime_again": ["response_b64", "response_json"],
+    "prime-response_b64": ["response_json"],
+    "prime-response_json": ["response_b64"],
+}
 
 
 def _spliced() -> int:
@@ -138,7 +154,8 @@ def main(argv: list[str]) -> int:
         for arm in benchkit.rotated(arms, r):
             argv = ["--child", "0" if arm == "off" else "1", *sizes]
             row = benchkit.run_child(__file__, argv, str(benchkit.ROOT), arm, env=ARMS[arm])
-            if sorted(row["applied"]) != EXPECTED[arm] or (arm == "prime") != (row["spliced"] > 0):
+            splices = "response_json" in EXPECTED[arm]
+            if sorted(row["applied"]) != EXPECTED[arm] or splices != (row["spliced"] > 0):
                 raise SystemExit(
                     f"the {arm} arm ran {row['applied']} ({row['spliced']} strings spliced); "
                     f"expected {EXPECTED[arm]}: it measured other code"
@@ -172,6 +189,15 @@ def main(argv: list[str]) -> int:
                 f" -> {med['prime']['cpu_ms'] - med['off']['cpu_ms']:.2f} ms; upstream/prime "
                 f"median of per-round ratios {statistics.median(increments):.2f}x"
             )
+    for arm in [a for a in arms if a.startswith("prime") and a != "prime" and "prime" in arms]:
+        pairs = list(zip(results[arm], results["prime"], strict=True))
+        ratios = [a["cpu_ms"] / b["cpu_ms"] for a, b in pairs]
+        extra = [a["cpu_ms"] - b["cpu_ms"] for a, b in pairs]
+        print(
+            f"  {arm}/prime cpu, median of per-round ratios {statistics.median(ratios):.3f}x "
+            f"({statistics.median(extra):+.2f} ms per response; per round "
+            f"{', '.join(f'{x:.3f}' for x in ratios)})"
+        )
     digests = {row["sha256"] for rows in results.values() for row in rows if row["r3"]}
     if "upstream" in arms and "prime" in arms:
         print(f"  R3 bodies identical in every arm and round: {len(digests) == 1}")

@@ -34,18 +34,29 @@ class Arm:
     patches: tuple[str, ...] | None = None
 
 
+#: The A/A arm: r3_prime again, in its own process and place in the round. It cannot
+#: differ from r3_prime, so its reading is the spread of the measurement itself.
+AGAIN = "r3_prime_again"
+
+
 def default_arms(
-    registry_names: Sequence[str], per_patch: Sequence[str] = (), left_out: Sequence[str] = ()
+    registry_names: Sequence[str],
+    per_patch: Sequence[str] = (),
+    left_out: Sequence[str] = (),
+    again: bool = False,
 ) -> list[Arm]:
-    """R3 off, R3 on upstream, R3 on with every patch, then one arm per requested patch
-    alone (``r3_prime[NAME]``: its share over upstream), then one arm per patch left out
-    of the rest (``r3_prime[-NAME]``: its share inside r3_prime; a patch that only acts
-    with another, as batched_take with packed_outputs, shows its share only here)."""
+    """R3 off, R3 on upstream, R3 on with every patch (and, with ``again``, the A/A arm),
+    then one arm per requested patch alone (``r3_prime[NAME]``: its share over upstream),
+    then one arm per patch left out of the rest (``r3_prime[-NAME]``: its share inside
+    r3_prime; a patch that only acts with another, as batched_take with packed_outputs,
+    shows its share only here)."""
     arms = [
         Arm("r3_off", r3=False),
         Arm("r3_upstream", r3=True),
         Arm("r3_prime", r3=True, patches=tuple(registry_names)),
     ]
+    if again:
+        arms.append(Arm(AGAIN, r3=True, patches=tuple(registry_names)))
     arms += [Arm(f"r3_prime[{name}]", r3=True, patches=(name,)) for name in per_patch]
     arms += [
         Arm(f"r3_prime[-{name}]", r3=True, patches=tuple(n for n in registry_names if n != name))
@@ -66,8 +77,12 @@ class _NoKernelsNote(logging.Filter):
         return "Failed to import from vllm._C" not in record.getMessage()
 
 
-def _child(arm: Arm, cfg: BenchConfig, out: Any) -> None:
-    """Spawned entry point: configure the overlay, run the loop, send the result."""
+def _child(arm: Arm, cfg: BenchConfig, out: Any, gate: Any = None, slices: int = 0) -> None:
+    """Spawned entry point: configure the overlay, run the loop, send the result.
+
+    With a ``gate`` (interleaved runs), the measured window is cut into ``slices``: before
+    the window and before each further slice the child says so (``"turn"``) and waits on
+    the gate until the parent gives it its turn."""
     for name in ("vllm.platforms.interface", "vllm.platforms.cpu"):
         logging.getLogger(name).addFilter(_NoKernelsNote())
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -94,7 +109,16 @@ def _child(arm: Arm, cfg: BenchConfig, out: Any) -> None:
             if (step + 1) % _PROGRESS_EVERY == 0:
                 out.put(("progress", _PROGRESS_EVERY))
 
-        result = loop.run(cfg, arm.r3, progress)
+        before_step = None
+        if gate is not None:
+            starts = set(slice_starts(cfg, slices))
+
+            def before_step(step: int) -> None:
+                if step in starts:
+                    out.put(("turn", step))
+                    gate.acquire()
+
+        result = loop.run(cfg, arm.r3, progress, before_step)
         result["active_patches"] = active
         out.put(("done", result))
     except BaseException:  # noqa: BLE001 - report to the parent instead of dying silently
@@ -154,6 +178,98 @@ def run_arms(
                 proc.join()
             out.close()
     return results
+
+
+def slice_starts(cfg: BenchConfig, slices: int) -> list[int]:
+    """The first step of each slice of the measured window (``slices`` near-equal parts)."""
+    return [cfg.warmup + (cfg.steps * k) // slices for k in range(slices)]
+
+
+def run_interleaved(
+    arms: Sequence[Arm],
+    cfg: BenchConfig,
+    slices: int,
+    on_progress: Callable[[Arm, int], None] | None = None,
+    timeout: float = 3600.0,
+    target: Callable[..., None] = _child,
+) -> dict[str, dict[str, Any]]:
+    """Every arm in its own spawned process at once, taking turns slice by slice.
+
+    All arms warm up (side by side), then measure one at a time: slice ``k`` of the window
+    runs arm after arm, the order rotated by one per slice. Arms run the same seeded
+    workload, so slice ``k`` of two arms is the same stretch of steps, seconds apart: the
+    pairs the effect table compares. Each arm still has its own interpreter, so nothing
+    leaks between arms; only one steps at a time. ``target(arm, cfg, out, gate, slices)``
+    is the child's entry point (``_child``; tests give a stand-in speaking its protocol).
+    """
+    ctx = mp.get_context("spawn")
+    procs: dict[str, tuple[Any, Any, Any]] = {}
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for arm in arms:
+            out, gate = ctx.Queue(), ctx.Semaphore(0)
+            proc = ctx.Process(
+                target=target,
+                args=(arm, cfg, out, gate, slices),
+                name=f"prime-r3-bench-{arm.name}",
+            )
+            proc.start()
+            procs[arm.name] = (proc, out, gate)
+        waiting = list(arms)  # arms that stand at a slice's start, waiting for their turn
+        for arm in arms:
+            if not _wait_turn(arm, procs[arm.name], on_progress, timeout, results):
+                waiting.remove(arm)
+        for k in range(slices):
+            order = waiting[k % len(waiting) :] + waiting[: k % len(waiting)] if waiting else []
+            for arm in order:
+                proc, out, gate = procs[arm.name]
+                gate.release()
+                if k + 1 < slices:
+                    if not _wait_turn(arm, procs[arm.name], on_progress, timeout, results):
+                        waiting.remove(arm)
+                else:
+                    results[arm.name] = _collect(arm, proc, out, on_progress, timeout)
+    finally:
+        for proc, out, _ in procs.values():
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            out.close()
+    return results
+
+
+def _wait_turn(
+    arm: Arm,
+    entry: tuple[Any, Any, Any],
+    on_progress: Callable[[Arm, int], None] | None,
+    timeout: float,
+    results: dict[str, dict[str, Any]],
+) -> bool:
+    """Wait until ``arm`` stands at a slice's start; False (its result recorded) if it
+    ended instead (an error, or a window shorter than the slices)."""
+    proc, out, _ = entry
+    waited = 0.0
+    while True:
+        try:
+            kind, payload = out.get(timeout=1.0)
+        except queue.Empty:
+            waited += 1.0
+            if not proc.is_alive():
+                results[arm.name] = {"error": f"arm process exited with code {proc.exitcode}"}
+                return False
+            if waited > timeout:
+                results[arm.name] = {"error": f"arm timed out after {timeout:.0f} s"}
+                return False
+            continue
+        if kind == "turn":
+            return True
+        if kind == "progress":
+            if on_progress is not None:
+                on_progress(arm, payload)
+            continue
+        results[arm.name] = payload if kind == "done" else {"error": payload}
+        return False
 
 
 def _collect(

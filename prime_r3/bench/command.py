@@ -76,6 +76,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="run all arms this many times, round-robin; report medians",
     )
+    p.add_argument(
+        "--again",
+        action="store_true",
+        help="also run r3_prime a second time as its own arm (r3_prime_again, the A/A arm): "
+        "what arms that cannot differ read",
+    )
+    p.add_argument(
+        "--slices",
+        type=int,
+        default=0,
+        help="interleave: start every arm at once and let them take turns, this many slices "
+        "of the measured window each (order rotated per slice); the effect table pairs "
+        "slices. 0 (default): one arm after another, whole",
+    )
     p.add_argument("--no-parity", action="store_true", help="skip row hashing and parity")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON ('-': stdout)")
     p.add_argument("--plot", metavar="PNG", help="plot per-step engine CPU time of each arm")
@@ -195,6 +209,12 @@ def main(args: argparse.Namespace) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print(f"prime-r3 bench: --plot needs matplotlib: {BENCH_EXTRA}", file=sys.stderr)
         return 2
+    if not 0 <= args.slices <= cfg.steps:
+        print(
+            f"prime-r3 bench: --slices {args.slices}: must be in 0..{cfg.steps} (--steps)",
+            file=sys.stderr,
+        )
+        return 2
     version, applies, skipped = applicable_patches()
     known = [s.name for s in REGISTRY]
     per_patch = _select(args.patches, applies, skipped, known)
@@ -205,7 +225,7 @@ def main(args: argparse.Namespace) -> int:
     if isinstance(left_out, str):
         print(f"prime-r3 bench: --without {args.without}: {left_out}", file=sys.stderr)
         return 2
-    arms = arms_mod.default_arms(applies, per_patch, left_out)
+    arms = arms_mod.default_arms(applies, per_patch, left_out, again=args.again)
     print(
         f"prime-r3 bench on vllm {version}: {len(arms)} arms x {cfg.total_steps} steps "
         f"({cfg.warmup} warm-up + {cfg.steps} measured), "
@@ -226,7 +246,12 @@ def main(args: argparse.Namespace) -> int:
         for number, order in enumerate(orders, 1):
             if repeats > 1:
                 print(f"prime-r3 bench: {_order_line(number, order)}", file=sys.stderr)
-            res = arms_mod.run_arms(order, cfg, lambda arm, n: progress.update(arm.name, n))
+            if args.slices > 0:
+                res = arms_mod.run_interleaved(
+                    order, cfg, args.slices, lambda arm, n: progress.update(arm.name, n)
+                )
+            else:
+                res = arms_mod.run_arms(order, cfg, lambda arm, n: progress.update(arm.name, n))
             rounds.append({arm.name: res[arm.name] for arm in arms if arm.name in res})
     finally:
         progress.close()
@@ -254,6 +279,15 @@ def main(args: argparse.Namespace) -> int:
         print("arm order per round:", file=out)
         for number, order in enumerate(orders, 1):
             print(f"  {_order_line(number, order)}", file=out)
+    slices = max(args.slices, 1)  # whole rounds are one slice each
+    pairs = []
+    for res in rounds:
+        cuts = {n: report.per_slice(r, cfg, slices) for n, r in res.items()}
+        for k in range(slices):
+            pairs.append({n: {ph: v[k] for ph, v in c.items()} for n, c in cuts.items() if c})
+    effect_rows = report.effects(pairs)
+    if effect_rows:
+        print(report.effects_table(effect_rows), file=out)
     fast_path = _fast_path_lines(results)
     if fast_path:
         print(fast_path, file=out)
@@ -264,6 +298,8 @@ def main(args: argparse.Namespace) -> int:
             parity_note,
             {"vllm": version, "applied": applies, "skipped": skipped},
             [[arm.name for arm in order] for order in orders],
+            effect_rows,
+            pairs,
         )
         if args.json == "-":
             print(text)

@@ -288,9 +288,15 @@ def _block_hasher(vllm_config: Any, kv_cache_config: Any) -> Callable[[Any], Any
 
 
 def run(
-    cfg: BenchConfig, r3: bool, progress: Callable[[int], None] | None = None
+    cfg: BenchConfig,
+    r3: bool,
+    progress: Callable[[int], None] | None = None,
+    before_step: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """Run warm-up plus measured steps; return per-step meters and per-request digests."""
+    """Run warm-up plus measured steps; return per-step meters and per-request digests.
+
+    ``before_step(step)`` runs ahead of each step, outside its meters (the interleaved
+    runner waits there for its turn)."""
     sim = Simulator(cfg, r3)
     per_step = {name: np.zeros(cfg.total_steps) for name in (*PHASES, "wall", "cpu")}
     gc_counts = np.zeros((cfg.total_steps, 3), dtype=np.int64)
@@ -300,6 +306,8 @@ def run(
         step = 0
         try:
             for step in range(cfg.total_steps):
+                if before_step is not None:
+                    before_step(step)
                 if step == cfg.warmup:
                     window = _snapshot(sim)
                     _reset_fast_path_counters()

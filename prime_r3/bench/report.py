@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -80,6 +81,107 @@ def add_ratios(summaries: dict[str, dict[str, Any]], baseline: str = "r3_off") -
             summary["steps_per_s_vs_off"] = summary["steps_per_s"] / base["steps_per_s"]
 
 
+#: Where each patch acts in this benchmark: the per-step phases (``loop.PHASES`` and the
+#: writer thread) whose CPU time it changes. Its effect is measured there, where the rest
+#: of the step's noise does not reach, and stated as a share of the whole step.
+ACTS_IN = {
+    "engine_gc": ("gc",),
+    "packed_outputs": ("sched", "aux_process", "transport"),
+    "store_eviction": ("writer",),
+    "store_headroom": ("writer",),
+    "store_growth": ("writer",),
+    "batched_commit": ("aux_process", "transport"),
+    "batched_begin": ("aux_begin",),
+    "batched_take": ("transport",),
+    "batched_meta": ("sched",),
+    "store_arena": ("writer",),
+}
+_SLICED = ("engine", "sched", "aux_begin", "aux_process", "transport", "writer", "gc")
+
+
+def per_slice(result: dict[str, Any], cfg: BenchConfig, slices: int) -> dict[str, list[float]]:
+    """Per slice of the window (as ``arms.slice_starts`` cuts it): ms per step of the
+    whole engine step (``engine``) and of each phase a patch acts in."""
+    per_step = result.get("per_step")
+    if not per_step or result.get("error"):
+        return {}
+    steps = {k: np.asarray(v) for k, v in per_step.items()}
+    steps["engine"] = steps["cpu"] - steps["model"] - steps["client"] + steps["writer"]
+    bounds = [cfg.warmup + (cfg.steps * k) // slices for k in range(slices + 1)]
+    return {
+        name: [float(steps[name][a:b].mean() * 1e3) for a, b in itertools.pairwise(bounds)]
+        for name in _SLICED
+    }
+
+
+def effects(
+    pairs: list[dict[str, dict[str, float]]], base: str = "r3_prime"
+) -> list[dict[str, Any]]:
+    """What leaving each patch out costs, paired with ``base`` in each round (or slice).
+
+    ``pairs``: per round or slice, per arm, ms per step of ``engine`` and of the phases.
+    For ``r3_prime[-NAME]``, a pair's effect is the CPU of the phases NAME acts in
+    (``ACTS_IN``) without it minus with it, over ``base``'s whole step: what the patch
+    buys, as a share of R3-on CPU per step, measured where it acts. ``whole`` is the
+    whole step's ratio (every phase's noise in it). The A/A arm (``r3_prime_again``)
+    gets one row per phase set: what arms that cannot differ read there. Medians over
+    pairs, with quartiles.
+    """
+    rows = []
+    phase_sets = sorted(set(ACTS_IN.values()))
+    for arm in pairs[0] if pairs else {}:
+        if arm.startswith("r3_prime[-"):
+            name = arm[len("r3_prime[-") : -1]
+            sets = [(name, ACTS_IN.get(name, ("engine",)))]
+        elif arm == "r3_prime_again":
+            sets = [("(A/A)", phases) for phases in phase_sets]
+        else:
+            continue
+        for label, phases in sets:
+            share, whole = [], []
+            for pair in pairs:
+                a, b = pair.get(arm), pair.get(base)
+                if not a or not b or not b.get("engine"):
+                    continue
+                extra = sum(a[ph] for ph in phases) - sum(b[ph] for ph in phases)
+                share.append(extra / b["engine"])
+                whole.append(a["engine"] / b["engine"])
+            if not share:
+                continue
+            rows.append(
+                {
+                    "patch": label,
+                    "arm": arm,
+                    "phases": list(phases),
+                    "share": float(np.median(share)),
+                    "share_q": [float(np.percentile(share, q)) for q in (25, 75)],
+                    "whole": float(np.median(whole)),
+                    "whole_q": [float(np.percentile(whole, q)) for q in (25, 75)],
+                    "pairs": len(share),
+                }
+            )
+    return rows
+
+
+def effects_table(rows: list[dict[str, Any]]) -> str:
+    """One line per patch: what removing it costs, where it acts and on the whole step."""
+    lines = [
+        "what each patch buys: CPU of the phases it acts in, without it minus with every "
+        "patch, as % of r3_prime's step; and the whole step, without / with (medians of "
+        "paired rounds or slices, [quartiles])",
+        f"{'patch':>16} {'acts in':>32} {'effect there':>13} {'quartiles':>17} "
+        f"{'whole step':>10} {'quartiles':>15} pairs",
+    ]
+    for row in rows:
+        share = f"[{row['share_q'][0]:+.1%}, {row['share_q'][1]:+.1%}]"
+        whole = f"[{row['whole_q'][0]:.3f}, {row['whole_q'][1]:.3f}]"
+        lines.append(
+            f"{row['patch']:>16} {'+'.join(row['phases']):>32} {row['share']:>+13.1%} "
+            f"{share:>17} {row['whole']:>10.3f} {whole:>15} {row['pairs']:>5}"
+        )
+    return "\n".join(lines)
+
+
 _COLUMNS = (
     ("arm", "{}", 26),
     ("steps/s", "{:.1f}", 8),
@@ -137,6 +239,8 @@ def to_json(
     parity: dict[str, Any],
     patches: dict[str, Any] | None = None,
     orders: list[list[str]] | None = None,
+    effect_rows: list[dict[str, Any]] | None = None,
+    pairs: list[dict[str, Any]] | None = None,
 ) -> str:
     """The run as JSON; ``patches`` names the vLLM release and what applied there,
     ``orders`` the arm names in the order each round ran them."""
@@ -146,6 +250,8 @@ def to_json(
         "arms": summaries,
         "parity": parity,
         "arm_order_per_round": orders,
+        "effects": effect_rows or [],
+        "pairs": pairs or [],
     }
     return json.dumps(document, indent=2)
 

@@ -41,8 +41,10 @@ engine sends them for samples whose prompt blocks come from the store).
 Arms: ``off`` (R3 off, ``PRIME_R3=0``), ``upstream`` (R3 on, ``PRIME_R3=0``), ``prime``
 (R3 on, prime_r3 as the plugin applies it), and on request ``prime_gc`` (``prime`` with
 ``PRIME_R3_ENGINE_GC_API_SERVER=1``), ``prime_no_turns`` (``prime`` without
-``output_turns``) and ``prime_slice<MS>`` (``output_turns`` with a slice of MS ms; 0: a
-turn before every waiting step), alternated in each round. Per arm, the median
+``output_turns``), ``prime-<PATCH>`` (every patch but PATCH), ``prime_again`` (``prime``
+once more: the A/A arm, what arms that cannot differ read) and ``prime_slice<MS>``
+(``output_turns`` with a slice of MS ms; 0: a turn before every waiting step), alternated
+in each round. Per arm, the median
 over rounds of: the loop's longest stall and p99 lag during the wave and during its
 finish (from the engine's last step to the last response), ``/health`` latency (max,
 p99), client errors, API-server CPU (all threads, read from ``/proc`` by the driver, so a
@@ -80,7 +82,7 @@ PROBE_S = 0.005
 HEALTH_S = 0.05
 #: How long the API server may take to start (a loaded 2-core machine: minutes).
 START_S = 600
-ARMS = ("off", "upstream", "prime", "prime_gc", "prime_no_turns")
+ARMS = ("off", "upstream", "prime", "prime_again", "prime_gc", "prime_no_turns")
 DEFAULT_ARMS = ("off", "upstream", "prime")
 
 
@@ -824,6 +826,8 @@ def arm_env(arm: str, extra: dict[str, str] | None = None) -> dict[str, str]:
         env["PRIME_R3_ENGINE_GC_API_SERVER"] = "1"
     if arm == "prime_no_turns":  # what output_turns changes
         env["PRIME_R3_PATCHES"] = "-output_turns"
+    if arm.startswith("prime-"):  # every patch but one: what that patch buys here
+        env["PRIME_R3_PATCHES"] = "all," + arm.removeprefix("prime")
     if arm.startswith("prime_slice"):  # output_turns with another slice (0: every step)
         env["PRIME_R3_OUTPUT_TURNS_SLICE_MS"] = arm.removeprefix("prime_slice")
     env.update(extra or {})
@@ -1135,6 +1139,13 @@ def _slice_arm(arm: str) -> bool:
     return ms != arm and ms.replace(".", "", 1).isdigit() and float(ms) <= 1000
 
 
+def _without_arm(arm: str) -> bool:
+    """``prime-<PATCH>``: ``prime`` with every patch but PATCH, a registry name."""
+    from prime_r3.patches import REGISTRY
+
+    return arm.startswith("prime-") and arm.removeprefix("prime-") in {s.name for s in REGISTRY}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     roles = {"engine": engine_main, "server": server_main, "client": client_main}
@@ -1150,11 +1161,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.prompt_len = args.prompt_len or (16 if args.shape == "writeup" else 512)
         args.n = min(args.n, 4)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    bad = [a for a in arms if a not in ARMS and not _slice_arm(a)]
+    bad = [a for a in arms if a not in ARMS and not _slice_arm(a) and not _without_arm(a)]
     if bad:
         raise SystemExit(
             f"--arms: {','.join(bad)} unknown; valid choices: {', '.join(ARMS)}, "
-            "prime_slice<MS> (MS in 0..1000)"
+            "prime_slice<MS> (MS in 0..1000), prime-<PATCH> (every patch but PATCH)"
         )
     shape = make_shape(args)
     rounds = []

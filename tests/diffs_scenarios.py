@@ -142,35 +142,6 @@ def scenario_store_pile_up(ctx: Context) -> dict[str, Any]:
     return {"states": states, "references": dict(store._references)}
 
 
-def scenario_arena(ctx: Context) -> dict[str, Any]:
-    """store_arena: a store built by the real constructor, its mapping and contents."""
-    import hashlib
-
-    from vllm.distributed.aux_output_connector import store as store_mod
-
-    from tests.test_store_arena import mapping_of, vm_flags_of
-
-    store = store_mod.BlockObjectStore(max_bytes=48 * 4096 + 7, object_nbytes=4096)
-    perms, size = mapping_of(store._arena), len(store._arena)
-    advice = sorted({"nh", "wf"} & vm_flags_of(store._arena))  # no THP, wiped on fork
-    objects = [store_mod.BlockObject(f"k{i}", bytes([i]) * 4096) for i in range(60)]
-    store.put(objects[:40], retain_keys=[o.key for o in objects[:20]])
-    # New keys only: 0.33 re-puts existing keys in set order (hash-seed dependent).
-    store.put(objects[40:], release_keys=[o.key for o in objects[:10]])  # evicts 12
-    slots = dict(getattr(store, "_slots", store._lru))  # 0.33: key -> slot in _slots
-    read = hashlib.sha256(store.get_concatenated(list(reversed(slots))))
-    result = {
-        "perms": perms,
-        "advice": advice,
-        "size": size,
-        "slots": slots,
-        "arena": hashlib.sha256(store._arena[:]).hexdigest(),
-        "read": read.hexdigest(),
-    }
-    store.close()
-    return result
-
-
 # -- store_headroom (with growth and eviction on the connector's store) ------------------
 
 
@@ -911,7 +882,6 @@ SCENARIOS: dict[str, tuple[str, Callable[[Context], dict[str, Any]]]] = {
     "ray_detach": ("packed_outputs", scenario_ray_detach),
     "packed_take_memory": ("packed_outputs", scenario_packed_take_memory),
     "gc": ("engine_gc", scenario_gc),
-    "arena": ("store_arena", scenario_arena),
     "meta_steps": ("batched_meta", scenario_meta_steps),
     "meta_simulator": ("batched_meta", scenario_meta_simulator),
 }

@@ -131,7 +131,7 @@ def test_multiprocess_processes_report_their_patches(mp_pair: tuple[Any, Any]) -
     assert all(p.active == [] and len(p.disabled) == every for p in upstream.processes())
     roles = {p.role: p for p in prime.processes()}
     assert {"batched_take", "batched_meta"} <= set(roles["engine_core"].active)
-    assert {"store_arena", "batched_begin", "batched_commit", "packed_outputs"} <= set(
+    assert {"store_headroom", "batched_begin", "batched_commit", "packed_outputs"} <= set(
         roles["worker"].active
     )
     worker = roles["worker"]
@@ -159,4 +159,4 @@ def test_in_process_uint16_parity(inproc_pair: tuple[Any, Any]) -> None:
     procs = inproc_pair[1].processes()
     assert [p.role for p in procs] == ["front-end"] and procs[0].summaries == 1
     assert visible_lines(inproc_pair[1].log_path) == {procs[0].pid: 1}
-    assert {"batched_take", "store_arena", "packed_outputs"} <= set(procs[0].active)
+    assert {"batched_take", "store_headroom", "packed_outputs"} <= set(procs[0].active)

@@ -47,7 +47,6 @@ ALL = [
     "batched_commit",
     "batched_begin",
     "batched_meta",
-    "store_arena",
     "response_rows",
     "response_b64",
     "response_json",
@@ -62,7 +61,6 @@ EXPECTED = {
         "batched_commit",
         "batched_begin",
         "batched_meta",
-        "store_arena",
         "response_rows",
         "response_b64",
         "response_json",
@@ -233,7 +231,7 @@ def test_a_malformed_requirement_is_refused(tmp_path: Path, requires: str) -> No
 
 @pytest.mark.parametrize(
     ("requires", "why"),
-    [("03-store_shrink", "not in its series"), ("10-store_arena", "comes later")],
+    [("03-store_shrink", "not in its series"), ("09-batched_meta", "comes later")],
 )
 def test_a_missing_or_later_requirement_is_refused(tmp_path: Path, requires: str, why: str) -> None:
     series_dir = tmp_path / "vllm-0.32.0"
@@ -557,16 +555,6 @@ def test_store_pile_up_rotation_matches(results: dict[str, Any]) -> None:
     first = diffs["states"][0]
     assert not first[0][0].startswith("r")  # the referenced pile-up left the front
     assert [k for k, _ in first[-800:]] == [f"r{i}" for i in range(800)]
-
-
-@pytest.mark.tree_parity
-def test_arena_mapping_and_contents_match(results: dict[str, Any]) -> None:
-    """store_arena: the diff builds the same private arena, same slots and bytes."""
-    overlay, diffs = _pair(results, "arena", "store_arena")
-    assert diffs == overlay
-    assert diffs["perms"] == "rw-p" and diffs["size"] == 48 * 4096
-    assert diffs["advice"] == ["nh", "wf"]  # 4 KiB pages like upstream's; wiped on fork
-    assert len(diffs["slots"]) == 48  # full: 12 evicted
 
 
 @pytest.mark.tree_parity

@@ -44,7 +44,6 @@ TOOLS = (
     Tool("meta", "bench_meta.py", "build_connector_meta: upstream vs batched_meta"),
     Tool("sched", "bench_sched.py", "EngineCore scheduler thread: where R3's cost goes"),
     Tool("store", "bench_store.py", "put on a full 450k-slot store: upstream vs patched"),
-    Tool("publish", "bench_publish.py", "block publication; shared arena vs store_arena"),
     Tool("writer", "bench_writer.py", "store writer thread at steady state, replayed puts"),
     Tool("api-gc", "bench_api_server_gc.py", "API server's R3 work under two GC thresholds"),
     Tool("wave", "bench_wave.py", "API server: a wave of long R3 responses finishing together"),

@@ -7,7 +7,6 @@ Each entry is a ``PatchSpec`` declared by its module under ``prime_r3.fixes``.
 from __future__ import annotations
 
 from prime_r3.fixes import (
-    batched_begin,
     batched_commit,
     batched_meta,
     batched_take,
@@ -31,7 +30,6 @@ REGISTRY: tuple[PatchSpec, ...] = (
     store_headroom.SPEC,
     store_growth.SPEC,
     batched_commit.SPEC,
-    batched_begin.SPEC,
     batched_take.SPEC,
     batched_meta.SPEC,
     packed_hop.SPEC,

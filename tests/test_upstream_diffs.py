@@ -1,8 +1,8 @@
 """patches/: each fix as an upstream-form diff, checked against the installed vLLM and the overlay.
 
 What each release expects (``EXPECTED``): 0.31.0 and 0.32.0 carry one diff per registry
-patch that has one (the six fixes, batched_commit and batched_begin, whose diffs hold
-the output worker's request state in arrays, batched_meta, and the API server's
+patch that has one (the six fixes, batched_commit, whose diff holds the output worker's
+request state in arrays, batched_meta, and the API server's
 response_rows, response_b64, response_json and output_turns); 0.33.0 carries the same but the store
 patches 03-05, fixed upstream there (the registry says so, and a test ties the two). No
 patch is without a diff today (``PENDING``; a record's ``diff_pending`` would say why).
@@ -45,7 +45,6 @@ ALL = [
     "store_headroom",
     "store_growth",
     "batched_commit",
-    "batched_begin",
     "batched_meta",
     "response_rows",
     "response_b64",
@@ -59,7 +58,6 @@ EXPECTED = {
         "engine_gc",
         "packed_outputs",
         "batched_commit",
-        "batched_begin",
         "batched_meta",
         "response_rows",
         "response_b64",
@@ -112,7 +110,7 @@ def test_one_diff_per_applicable_registry_patch(release: str) -> None:
 
 
 #: Registry patches with no diff yet, per release (their record's ``diff_pending`` says
-#: why): none today (batched_commit/batched_begin were pending on 0.33.0 until ported,
+#: why): none today (batched_commit was pending on 0.33.0 until ported,
 #: the API server's response patches until 12-14 were written).
 PENDING: dict[str, list[str]] = {release: [] for release in EXPECTED}
 #: Registry patches whose upstream form is part of another patch's diff (``diff_in``).
@@ -144,20 +142,19 @@ def test_patches_carried_by_another_diff_are_named_in_their_record(release: str)
 def test_a_diff_for_a_carried_patch_or_a_missing_carrier_is_reported(tmp_path: Path) -> None:
     series_dir = tmp_path / "vllm-0.32.0"
     shutil.copytree(ROOT / "patches/vllm-0.32.0", series_dir)
-    shutil.copy(series_dir / "05-store_growth.patch", series_dir / "08-batched_take.patch")
+    shutil.copy(series_dir / "05-store_growth.patch", series_dir / "07-batched_take.patch")
     problems = patches.registry_mismatch("0.32.0", patches.series("0.32.0", tmp_path))
     assert problems == [
-        "diff 08-batched_take.patch exists but the registry says the packed_outputs diff carries it"
+        "diff 07-batched_take.patch exists but the registry says the packed_outputs diff carries it"
     ]
-    (series_dir / "08-batched_take.patch").unlink()
-    # Without 02, so without the diffs that require it (06, and 07 on 06).
-    for name in ("02-packed_outputs", "06-batched_commit", "07-batched_begin"):
+    (series_dir / "07-batched_take.patch").unlink()
+    # Without 02, so without the diff that requires it (06).
+    for name in ("02-packed_outputs", "06-batched_commit"):
         (series_dir / f"{name}.patch").unlink()
     problems = patches.registry_mismatch("0.32.0", patches.series("0.32.0", tmp_path))
     assert problems == [
         "registry patch 'packed_outputs' applies to 0.32.0 but has no diff",
         "registry patch 'batched_commit' applies to 0.32.0 but has no diff",
-        "registry patch 'batched_begin' applies to 0.32.0 but has no diff",
         "registry patch 'batched_take' is carried by the packed_outputs diff, which 0.32.0 lacks",
         "registry patch 'packed_hop' is carried by the packed_outputs diff, which 0.32.0 lacks",
     ]
@@ -247,20 +244,16 @@ def test_a_missing_or_later_requirement_is_refused(tmp_path: Path, requires: str
 
 @pytest.mark.parametrize("release", sorted(EXPECTED))
 def test_requirements_are_declared_where_a_diff_needs_them(release: str) -> None:
-    """06 is written on top of 02 (the packed output type), 07 on top of 06; the rest
-    stand alone. ``with_requirements`` orders what one diff needs before it."""
+    """06 is written on top of 02 (the packed output type); the rest stand alone.
+    ``with_requirements`` orders what one diff needs before it."""
     diffs = patches.series(release)
     requires = {d.name: d.requires for d in diffs if d.requires}
     if "batched_commit" in EXPECTED[release]:
-        assert requires == {
-            "batched_commit": ("02-packed_outputs",),
-            "batched_begin": ("06-batched_commit",),
-        }
-        begin = next(d for d in diffs if d.name == "batched_begin")
-        assert [d.name for d in patches.with_requirements(begin, diffs)] == [
+        assert requires == {"batched_commit": ("02-packed_outputs",)}
+        commit = next(d for d in diffs if d.name == "batched_commit")
+        assert [d.name for d in patches.with_requirements(commit, diffs)] == [
             "packed_outputs",
             "batched_commit",
-            "batched_begin",
         ]
     else:
         assert requires == {}
@@ -805,7 +798,7 @@ def upstream_form(patched_tree: Path, tmp_path_factory: pytest.TempPathFactory) 
 def test_upstream_form_worker_matches_the_installed_one(
     upstream_form: dict[str, Any], patched_tree: Path
 ) -> None:
-    """06/07's connector against the release's own (tests/batched_harness.py, every step:
+    """06's connector against the release's own (tests/batched_harness.py, every step:
     outputs, take_output bytes, errors, worker state and slots, store calls and store),
     with both its paths driven: decode runs committed at once and the loop body."""
     ci = [upstream_form["ci_0"], upstream_form["ci_1"]]
@@ -869,8 +862,8 @@ def test_upstream_form_worker_matches_on_steps_the_workload_never_makes(
     assert [(request_id, start) for request_id, start, *_ in outputs] == [("b", 3), ("c", 4)]
     assert state[1]["c"][-1][:2] == (4, 1) and "a" not in state[1]
     assert len(state[1]["b"][1]) == 1 and state[1]["b"][-1] is None
-    # begin_step's rows are not taken for a batch once one of them was freed: the request
-    # torn down in between is unknown to prepare_output, as upstream's lookup finds.
+    # A request torn down between begin_step and prepare_output is unknown to
+    # prepare_output, as upstream's lookup finds.
     assert "a" not in ends["freed_before_prepare"][1][1]
     assert ends["batch_row_freed"][0] == ("KeyError", "'a'")
     # A block whose key came with a begin_step that then raised is published by the next

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from prime_r3.fixes import (
     batched_commit,
-    batched_meta,
     batched_take,
     engine_gc,
     output_turns,
@@ -31,7 +30,6 @@ REGISTRY: tuple[PatchSpec, ...] = (
     store_growth.SPEC,
     batched_commit.SPEC,
     batched_take.SPEC,
-    batched_meta.SPEC,
     packed_hop.SPEC,
     response_rows.SPEC,
     response_b64.SPEC,

@@ -54,7 +54,7 @@ def test_roles_and_visible_lines(tmp_path: pathlib.Path) -> None:
 
 def test_a_fork_with_records_but_no_line_is_reported_as_such(tmp_path: pathlib.Path) -> None:
     state = parse_probe(
-        _write(tmp_path, "MainProcess", "prime_r3: batched_meta installed on import of a.request")
+        _write(tmp_path, "MainProcess", "prime_r3: batched_take installed on import of a.request")
     )
     assert state.role == "forked" and state.summaries == 0
     assert "inherited from its parent" in state.describe()

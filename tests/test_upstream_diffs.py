@@ -2,7 +2,7 @@
 
 What each release expects (``EXPECTED``): 0.31.0 and 0.32.0 carry one diff per registry
 patch that has one (the six fixes, batched_commit, whose diff holds the output worker's
-request state in arrays, batched_meta, and the API server's
+request state in arrays, and the API server's
 response_rows, response_b64, response_json and output_turns); 0.33.0 carries the same but the store
 patches 03-05, fixed upstream there (the registry says so, and a test ties the two). No
 patch is without a diff today (``PENDING``; a record's ``diff_pending`` would say why).
@@ -45,7 +45,6 @@ ALL = [
     "store_headroom",
     "store_growth",
     "batched_commit",
-    "batched_meta",
     "response_rows",
     "response_b64",
     "response_json",
@@ -58,7 +57,6 @@ EXPECTED = {
         "engine_gc",
         "packed_outputs",
         "batched_commit",
-        "batched_meta",
         "response_rows",
         "response_b64",
         "response_json",
@@ -228,7 +226,7 @@ def test_a_malformed_requirement_is_refused(tmp_path: Path, requires: str) -> No
 
 @pytest.mark.parametrize(
     ("requires", "why"),
-    [("03-store_shrink", "not in its series"), ("09-batched_meta", "comes later")],
+    [("03-store_shrink", "not in its series"), ("06-batched_commit", "comes later")],
 )
 def test_a_missing_or_later_requirement_is_refused(tmp_path: Path, requires: str, why: str) -> None:
     series_dir = tmp_path / "vllm-0.32.0"
@@ -694,56 +692,6 @@ def test_overlay_skips_every_patch_on_the_patched_tree(results: dict[str, Any]) 
     for name in EXPECTED[RELEASE] + list(CARRIED):  # batched_take: 02 rewrote take_output
         state, reason = outcomes[name]
         assert state == "skipped" and reason.startswith("target source changed"), (name, reason)
-
-
-# -- batched_meta: the real connector, step by step ---------------------------------------
-
-META_ERRORS = {  # what upstream raises in each case (each release's real code)
-    "missing request": "KeyError",
-    "no sampling params": "AssertionError",
-    "hash history shrank": "AssertionError",
-    "prompt start None": "TypeError",
-}
-
-
-@pytest.mark.tree_parity
-def test_meta_steps_match_upstream_on_the_real_connector(results: dict[str, Any]) -> None:
-    """build_connector_meta, diff against overlay and against upstream (the installed
-    release's code, the overlay run with batched_meta reverted): every step's metadata
-    (values, value types, dict orders, hashes, terminal events), the connector's state
-    after it (_sent_hash_counts with its order, pending terminal events, generation,
-    0.33's loads), and upstream's errors with their effects."""
-    overlay, diffs = _pair(results, "meta_steps", "batched_meta")
-    assert diffs["traces"] == overlay["traces"] == overlay["upstream"]
-    steps = [(key, outcome) for trace in diffs["traces"] for key, outcome in trace]
-    errors = {(key, outcome[0][:2]) for key, outcome in steps if not isinstance(key, int)}
-    assert errors == {(case, ("raise", error)) for case, error in META_ERRORS.items()}
-    ok = [outcome[0][1] for key, outcome in steps if isinstance(key, int)]
-    assert len(ok) == len(diffs["traces"]) * 70  # no ordinary step raised
-    # What the runs went through: hash-only updates of unscheduled requests, terminal
-    # events (with their final hashes), resets, prompt starts that win, a float start.
-    assert any(set(dict(m[4])) - set(dict(m[2])) - set(m[5]) for m in ok)
-    assert sum(bool(m[5]) for m in ok) > 20
-    assert max(m[1] for m in ok) > 0
-    assert any("float" in m[3] for m in ok)
-    # The diff's fast path ran: fewer hash-helper calls than upstream's one per request.
-    assert diffs["scheduled"] == overlay["scheduled"] > 10_000
-    assert diffs["helper_calls"] < 0.8 * overlay["helper_calls"]
-    assert overlay["counters"]["fast_requests"] > 5_000  # and the overlay's
-
-
-@pytest.mark.tree_parity
-def test_meta_simulator_runs_match_upstream(results: dict[str, Any]) -> None:
-    """tests/test_batched_meta.py's workload (the bench's simulator around vLLM's real
-    Scheduler: prefix hits, chunked prefill, preemption, aborts, prompt starts, async
-    scheduling) on the patched tree: same metadata and connector state every step and
-    the same rows for every request as upstream and as the overlay."""
-    overlay, diffs = _pair(results, "meta_simulator", "batched_meta")
-    assert diffs["runs"] == overlay["runs"] == overlay["upstream"]
-    assert sum(len(trace) for trace, _, _ in diffs["runs"]) > 800
-    assert sum(seen["preempted"] for _, _, seen in diffs["runs"]) > 0
-    assert sum(seen["hit_tokens"] for _, _, seen in diffs["runs"]) > 0
-    assert overlay["counters"]["fast_requests"] > overlay["counters"]["fallback_requests"] > 0
 
 
 # -- parity: the upstream-form worker connector against the installed release's -----------

@@ -41,7 +41,6 @@ TOOLS = (
     ),
     Tool("packing", "bench_packing.py", "worker -> EngineCore step output: dict vs packed"),
     Tool("commit", "bench_commit_step.py", "one process_output step: batched_commit vs a REV"),
-    Tool("meta", "bench_meta.py", "build_connector_meta: upstream vs batched_meta"),
     Tool("sched", "bench_sched.py", "EngineCore scheduler thread: where R3's cost goes"),
     Tool("store", "bench_store.py", "put on a full 450k-slot store: upstream vs patched"),
     Tool("writer", "bench_writer.py", "store writer thread at steady state, replayed puts"),

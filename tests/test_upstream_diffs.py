@@ -109,7 +109,7 @@ def test_one_diff_per_applicable_registry_patch(release: str) -> None:
 
 #: Registry patches with no diff yet, per release (their record's ``diff_pending`` says
 #: why): none today (batched_commit was pending on 0.33.0 until ported,
-#: the API server's response patches until 12-14 were written).
+#: the API server's response patches until their diffs were written).
 PENDING: dict[str, list[str]] = {release: [] for release in EXPECTED}
 #: Registry patches whose upstream form is part of another patch's diff (``diff_in``).
 CARRIED = {"batched_take": "packed_outputs", "packed_hop": "packed_outputs"}

@@ -7,9 +7,7 @@ Each entry is a ``PatchSpec`` declared by its module under ``prime_r3.fixes``.
 from __future__ import annotations
 
 from prime_r3.fixes import (
-    batched_begin,
     batched_commit,
-    batched_meta,
     batched_take,
     engine_gc,
     output_turns,
@@ -18,7 +16,6 @@ from prime_r3.fixes import (
     response_b64,
     response_json,
     response_rows,
-    store_arena,
     store_eviction,
     store_growth,
     store_headroom,
@@ -32,10 +29,7 @@ REGISTRY: tuple[PatchSpec, ...] = (
     store_headroom.SPEC,
     store_growth.SPEC,
     batched_commit.SPEC,
-    batched_begin.SPEC,
     batched_take.SPEC,
-    batched_meta.SPEC,
-    store_arena.SPEC,
     packed_hop.SPEC,
     response_rows.SPEC,
     response_b64.SPEC,

@@ -77,8 +77,6 @@ PIECES = (
     "take_up",
     "take_floor",
     "fin",
-    "meta_scan",
-    "meta_inner",
     "meta_up",
 )
 
@@ -112,38 +110,14 @@ def _wrapper_cost() -> float:
 
 
 def _split_meta(cls: Any, acc: dict[str, float], cpu: Any) -> Any:
-    """build_connector_meta as the layer stacks it (batched_meta around packed_outputs'
-    declaration around upstream), composed here so each part is timed: ``meta`` the
-    whole, ``meta_scan`` batched_meta's pass, ``meta_inner`` the call it makes (the
-    declaration and upstream on the requests not fast), ``meta_up`` upstream alone."""
+    """build_connector_meta as the layer stacks it (packed_outputs' declaration around
+    upstream), composed here so each part is timed: ``meta`` the whole, ``meta_up``
+    upstream alone."""
     import prime_r3
-    from prime_r3.fixes import batched_meta, packed_outputs
+    from prime_r3.fixes import packed_outputs
 
     upstream = prime_r3.get_original(_CONNECTOR, "AuxOutputSchedulerConnector.build_connector_meta")
     declare = packed_outputs._declare_packed_reader({})
-    variant = {
-        name: getattr(batched_meta, name) for name in ("_scan_031", "_scan_032", "_scan_033")
-    }
-
-    def timed(name: str) -> Any:
-        scan = variant[name]
-
-        def timed_scan(*args: Any) -> Any:
-            t0 = cpu()
-            try:
-                return scan(*args)
-            finally:
-                acc["meta_scan"] += cpu() - t0
-
-        return timed_scan
-
-    for name in variant:  # the factory looks the scan up when it runs
-        setattr(batched_meta, name, timed(name))
-    try:
-        wrapper = batched_meta._batched_meta({})
-    finally:
-        for name, scan in variant.items():
-            setattr(batched_meta, name, scan)
 
     def build_connector_meta(self: Any, *args: Any) -> Any:
         def bare(*a: Any, **k: Any) -> Any:
@@ -153,16 +127,9 @@ def _split_meta(cls: Any, acc: dict[str, float], cpu: Any) -> Any:
             finally:
                 acc["meta_up"] += cpu() - t0
 
-        def inner(*a: Any, **k: Any) -> Any:
-            t0 = cpu()
-            try:
-                return declare(bare, self, a, k)
-            finally:
-                acc["meta_inner"] += cpu() - t0
-
         t0 = cpu()
         try:
-            return wrapper(inner, self, args, {})
+            return declare(bare, self, args, {})
         finally:
             acc["meta"] += cpu() - t0
 

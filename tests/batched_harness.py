@@ -13,9 +13,9 @@ resets (generation changes) with nothing in flight.
 
 Two real ``AuxOutputWorkerConnector`` objects, each with its own real
 ``RoutedExpertsBuffer`` and store (``BlockObjectStore``, or the real background writer
-around it), run the same sequence. The reference binds upstream's ``_commit_output`` and
-``begin_step`` (the originals the layer saved) on its instance, so it runs upstream code whatever is
-patched on the class. After every step the harness compares what each returned (keys,
+around it), run the same sequence. The reference binds upstream's ``_commit_output`` (the
+original the layer saved) on its instance, so it runs upstream code whatever is patched
+on the class. After every step the harness compares what each returned (keys,
 token starts, row bytes), what the real ``AuxOutputSchedulerConnector.take_output``
 hands each request (bytes, or the exact error), the errors raised, every request's
 worker state and buffered tail, and the store: keys, payloads, references and the
@@ -110,7 +110,7 @@ DECLARE_PACKED_READER = True
 
 
 #: Worker methods a batched patch may wrap; the reference binds upstream's for each.
-WRAPPED = ("_commit_output", "begin_step")
+WRAPPED = ("_commit_output",)
 
 
 def upstream(name: str = "_commit_output") -> Any:

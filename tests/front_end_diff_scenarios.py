@@ -1,4 +1,4 @@
-"""The API server's response code (12-14's files) on one vLLM tree, with ``PRIME_R3=0``.
+"""The API server's response code (09-11's files) on one vLLM tree, with ``PRIME_R3=0``.
 
     python -m tests.front_end_diff_scenarios OUT.pickle
 
@@ -479,7 +479,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     results = {
         "vllm_file": vllm.__file__,
-        # What 12-14 add, present only on the patched tree.
+        # What 09-11 add, present only on the patched tree.
         "added": {
             "RoutedExpertsRows": hasattr(output_processor, "RoutedExpertsRows"),
             "_routed_experts_base64": hasattr(serving, "_routed_experts_base64"),

@@ -534,7 +534,7 @@ def test_differential_parity_through_each_hop(
     preemption, prefix hits from the store, prompt starts, finishes in flight, resets)
     compares what take_output hands each request (dtype, shape, bytes, or the error)
     with upstream's take_output on upstream's connector's dict after the same hop."""
-    _apply("packed_outputs", "batched_commit", "batched_begin", "batched_take")
+    _apply("packed_outputs", "batched_commit", "batched_take")
     hops = {"message_queue": transport, "ray": _ray_like, "none": None}
     reverted.setattr(harness, "HOP", hops[hop])
     batched_take.COUNTERS.reset()

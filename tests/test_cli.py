@@ -21,7 +21,7 @@ def _run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 #: What `prime-r3 status` says on each supported release (the store fixes are upstream
 #: in 0.33, read in its source).
 _STORE = ("store_eviction", "store_headroom", "store_growth")
-_BATCHED = ("batched_commit", "batched_begin", "batched_take", "batched_meta", "store_arena")
+_BATCHED = ("batched_commit", "batched_take")
 _FRONT_END = ("packed_hop", "response_rows", "response_b64", "response_json", "output_turns")
 EXPECTED_STATES = {
     "0.31.0": dict.fromkeys(

@@ -84,39 +84,6 @@ def _connector(connector_type: type) -> Any:
     return connector_type()
 
 
-def _meta(connector: Any, scheduled: dict[str, int], requests: dict[str, Any]) -> Any:
-    from vllm.v1.core.sched.output import SchedulerOutput
-
-    scheduler_output = SchedulerOutput.make_empty()
-    scheduler_output.num_scheduled_tokens = scheduled
-    try:
-        metadata = connector.build_connector_meta(scheduler_output, requests)
-        result: Any = ("ok", list(metadata.requests.items()), list(metadata.block_hashes))
-    except Exception as error:  # noqa: BLE001 - the error is the result compared
-        result = ("raise", type(error).__name__, str(error))
-    return result, list(connector._sent_hash_counts.items())
-
-
-def test_meta_request_keyed_under_another_id_as_upstream(
-    reverted: pytest.MonkeyPatch, patched_connector: ModuleType
-) -> None:
-    """A requests dict whose key is not the request's own id: 0.33's upstream keys its
-    sent-hash count by ``request.request_id`` inside ``_take_new_hashes`` (KeyError here),
-    0.31/0.32's by the key; the short path must not answer from the key's count."""
-    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
-
-    def run(connector_type: type) -> Any:
-        request = Request("b", [1, 2, 3], SamplingParams(max_tokens=8), None)
-        request.num_computed_tokens = 3
-        request.append_output_token_ids(5)
-        return _meta(_connector(connector_type), {"a": 1}, {"a": request})
-
-    upstream = run(AuxOutputSchedulerConnector)
-    assert run(patched_connector.AuxOutputSchedulerConnector) == upstream
-
-
 def _step(patched_connector: ModuleType) -> Any:
     outputs = {
         f"r{i}": patched_connector.AuxRequestOutput(
@@ -199,42 +166,6 @@ def test_a_contradictory_diff_record_fails_at_parse_time(
         dataclasses.replace(spec, **{field: value})
 
 
-def test_overlay_meta_request_keyed_under_another_id_as_upstream(
-    reverted: pytest.MonkeyPatch,
-) -> None:
-    """The overlay's batched_meta on the same input as the diff's test above, one step
-    later (the key already has a sent count, so its scan finds the request quiet): the
-    same metadata, connector state or error as upstream (0.33's reads the count under
-    ``request.request_id``)."""
-    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
-
-    import prime_r3
-
-    def run() -> Any:
-        connector = _connector(AuxOutputSchedulerConnector)
-        first = Request("a", [1, 2, 3], SamplingParams(max_tokens=8), None)
-        other = Request("b", [1, 2, 3], SamplingParams(max_tokens=8), None)
-        for request in (first, other):
-            request.num_computed_tokens = 3
-            request.append_output_token_ids(5)
-        other.append_output_token_ids(6)  # past its prompt: the overlay's fast test
-        other.num_computed_tokens = 4
-        return [
-            _meta(connector, {"a": 1}, {"a": first}),
-            _meta(connector, {"a": 1}, {"a": other}),
-        ]
-
-    upstream = run()
-    from prime_r3.fixes import batched_meta
-
-    reverted.setattr(batched_meta, "MIN_BATCH", 1)  # its fast path on a one-request step
-    report = prime_r3.apply(["batched_meta"], log=False)
-    assert [o.state for o in report.outcomes if o.name == "batched_meta"] == ["applied"]
-    assert run() == upstream
-
-
 @pytest.mark.parametrize(
     "value",
     [(("0.33.0", ""),), (("0.33.0",),), ("0.33.0",), ((0.33, "not ported"),)],
@@ -297,32 +228,6 @@ def test_take_output_of_a_plain_dict_is_upstreams(
     assert found[patched_connector] == found[upstream]
     assert found[upstream][0] == ("rows", ([[0, 1], [2, 3], [4, 5]], True))
     assert [kind for kind, _ in found[upstream]].count("raise") == 4
-
-
-def test_meta_reads_the_request_properties(
-    reverted: pytest.MonkeyPatch, patched_connector: ModuleType
-) -> None:
-    """09's short path reads num_tokens / num_output_tokens as upstream's body does: a
-    request whose properties are its own (a subclass, or a duck type with no token
-    lists, as vLLM's connector tests build) gets upstream's emit starts."""
-    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
-
-    class Counted(Request):
-        @property
-        def num_tokens(self) -> int:  # e.g. a request that counts a pending token
-            return len(self._all_token_ids) + 2
-
-    def run(connector_type: type) -> Any:
-        request = Counted("a", [1, 2, 3], SamplingParams(max_tokens=8), None)
-        request.num_computed_tokens = 3
-        request.append_output_token_ids(5)
-        return _meta(_connector(connector_type), {"a": 1}, {"a": request})
-
-    upstream = run(AuxOutputSchedulerConnector)
-    assert upstream[0][:2] == ("ok", [("a", 5)])
-    assert run(patched_connector.AuxOutputSchedulerConnector) == upstream
 
 
 def test_capture_keeps_upstreams_signature_and_blocks(patched_tree: Path) -> None:

@@ -130,10 +130,8 @@ def test_multiprocess_processes_report_their_patches(mp_pair: tuple[Any, Any]) -
     every = len(REGISTRY)  # PRIME_R3=0 disables every registry patch
     assert all(p.active == [] and len(p.disabled) == every for p in upstream.processes())
     roles = {p.role: p for p in prime.processes()}
-    assert {"batched_take", "batched_meta"} <= set(roles["engine_core"].active)
-    assert {"store_arena", "batched_begin", "batched_commit", "packed_outputs"} <= set(
-        roles["worker"].active
-    )
+    assert {"batched_take", "packed_outputs"} <= set(roles["engine_core"].active)
+    assert {"store_headroom", "batched_commit", "packed_outputs"} <= set(roles["worker"].active)
     worker = roles["worker"]
     assert "engine_gc" not in worker.active and "engine_gc" not in worker.installed
     assert any(s.startswith("engine_gc (no effect in a vLLM CPU worker") for s in worker.skipped), (
@@ -159,4 +157,4 @@ def test_in_process_uint16_parity(inproc_pair: tuple[Any, Any]) -> None:
     procs = inproc_pair[1].processes()
     assert [p.role for p in procs] == ["front-end"] and procs[0].summaries == 1
     assert visible_lines(inproc_pair[1].log_path) == {procs[0].pid: 1}
-    assert {"batched_take", "store_arena", "packed_outputs"} <= set(procs[0].active)
+    assert {"batched_take", "store_headroom", "packed_outputs"} <= set(procs[0].active)

@@ -8,7 +8,7 @@ from prime_r3.e2e.engine import parse_probe, role_of, visible_lines
 
 SUMMARY = (
     "prime_r3 on vllm 0.32.0+cpu (pid 7): active: batched_take | on import: packed_outputs "
-    "(waits for import of a.connector, a.worker); store_arena (waits for import of a.store); "
+    "(waits for import of a.connector, a.worker); store_headroom (waits for import of a.store); "
     "engine_gc (waits for import of a.core) | skipped: store_growth (vllm 0.32.0+cpu has it; x)"
 )
 
@@ -28,12 +28,12 @@ def test_installs_on_import_complete_a_patch_or_leave_it_partly_in_force(
             "VllmWorker-0",
             SUMMARY,
             "prime_r3: packed_outputs installed on import of a.connector",
-            "prime_r3: store_arena installed on import of a.store",
+            "prime_r3: store_headroom installed on import of a.store",
             "prime_r3: engine_gc skipped on import of a.core: changed (rolled back)",
         )
     )
     assert (state.pid, state.role, state.version, state.summaries) == (7, "worker", "0.32.0+cpu", 1)
-    assert state.active == ["batched_take", "store_arena"]
+    assert state.active == ["batched_take", "store_headroom"]
     assert state.pending == {"packed_outputs": {"a.worker"}}
     assert state.installed == {"packed_outputs": {"a.connector"}}
     assert state.skipped == [
@@ -54,7 +54,7 @@ def test_roles_and_visible_lines(tmp_path: pathlib.Path) -> None:
 
 def test_a_fork_with_records_but_no_line_is_reported_as_such(tmp_path: pathlib.Path) -> None:
     state = parse_probe(
-        _write(tmp_path, "MainProcess", "prime_r3: batched_meta installed on import of a.request")
+        _write(tmp_path, "MainProcess", "prime_r3: batched_take installed on import of a.request")
     )
     assert state.role == "forked" and state.summaries == 0
     assert "inherited from its parent" in state.describe()

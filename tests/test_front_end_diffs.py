@@ -1,4 +1,4 @@
-"""12-14's API-server code against the installed release's (the upstream-form diffs of
+"""09-11's API-server code against the installed release's (the upstream-form diffs of
 response_rows, response_b64 and response_json).
 
 ``tests/front_end_diff_scenarios.py`` runs on the installed vLLM and on a copy patched

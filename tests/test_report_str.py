@@ -21,7 +21,7 @@ def test_a_report_prints_as_the_log_line_and_keeps_its_repr() -> None:
             ),
             layer.Outcome("packed_outputs", layer.APPLIED),
             layer.Outcome("store_eviction", layer.SKIPPED, "vllm 0.33.0 has this fix upstream"),
-            layer.Outcome("store_arena", layer.DISABLED, "not selected by PRIME_R3_PATCHES"),
+            layer.Outcome("store_headroom", layer.DISABLED, "not selected by PRIME_R3_PATCHES"),
         ),
     )
     assert str(report) == report.summary()
@@ -29,7 +29,7 @@ def test_a_report_prints_as_the_log_line_and_keeps_its_repr() -> None:
         f"prime_r3 on vllm 0.32.0 (pid {os.getpid()}): active: packed_outputs"
         " | on import: engine_gc (waits for import of vllm.v1.worker.gpu_worker)"
         " | skipped: store_eviction (vllm 0.33.0 has this fix upstream)"
-        " | disabled: store_arena"
+        " | disabled: store_headroom"
     )
     assert repr(report).startswith("Report(vllm_version='0.32.0', outcomes=(Outcome(")
 

@@ -4,8 +4,7 @@ Per release: on vLLM 0.31.0 and 0.32.0 the store patches apply and must match th
 upstream class (restored by the layer) op by op. On 0.33.0 they skip as fixed upstream
 (asserted with that reason); there the same sequences check 0.33's own store: victims
 are never referenced keys, and a store full of referenced keys grows instead of raising.
-Through vLLM's writer thread the same holds with store_arena (which applies on every
-release, 0.33 included) alone and over the others.
+Through vLLM's writer thread the same holds.
 A failure names the seed and op index; rerun one with ``run_sequence(seed, 300, ...)``.
 """
 
@@ -14,7 +13,6 @@ from __future__ import annotations
 import pytest
 
 import prime_r3
-from prime_r3 import layer
 from prime_r3.fixes import store_eviction
 from tests.store_harness import (
     NO_ROOM,
@@ -41,22 +39,12 @@ COMBINATIONS = {
 }
 
 
-#: store_arena changes the arena's mapping, not the store's logic: it applies on every
-#: release (0.33 included), alone or over the other store patches.
-ARENA = "store_arena"
-
-
 @pytest.fixture
 def patched(request: pytest.FixtureRequest, reverted: pytest.MonkeyPatch):  # noqa: ANN201
     """Apply ``request.param``; yields the names in force (on 0.33 the fixed-upstream
-    store patches are asserted to skip, and a parameter with store_arena runs with it)."""
-    names = [n for n in request.param if n != ARENA]
-    applied = apply_or_expect_fixed_upstream(names) if names else True
-    if ARENA in request.param:
-        report = prime_r3.apply(names=[ARENA], log=False)
-        assert report.outcome(ARENA).state == layer.APPLIED, (installed_release(), report)
-        names = [*names, ARENA] if applied else [ARENA]
-    elif not applied:
+    store patches are asserted to skip)."""
+    names = list(request.param)
+    if not apply_or_expect_fixed_upstream(names):
         pytest.skip(
             f"vLLM {installed_release()}: {', '.join(names)} skip as fixed upstream (asserted); "
             "upstream's own store is checked by test_upstream_store_properties"
@@ -118,13 +106,8 @@ def _sync(background: store_mod.BackgroundBlockObjectStore) -> None:
 
 @pytest.mark.parametrize(
     "patched",
-    [
-        ["store_eviction"],
-        COMBINATIONS["all_store_patches"],
-        [ARENA],
-        [*COMBINATIONS["all_store_patches"], ARENA],
-    ],
-    ids=["eviction", "all_store_patches", "arena", "all_store_patches+arena"],
+    [["store_eviction"], COMBINATIONS["all_store_patches"]],
+    ids=["eviction", "all_store_patches"],
     indirect=True,
 )
 def test_background_writer_matches_upstream(patched: list[str]) -> None:

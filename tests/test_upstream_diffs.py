@@ -1,8 +1,8 @@
 """patches/: each fix as an upstream-form diff, checked against the installed vLLM and the overlay.
 
 What each release expects (``EXPECTED``): 0.31.0 and 0.32.0 carry one diff per registry
-patch that has one (the six fixes, batched_commit and batched_begin, whose diffs hold
-the output worker's request state in arrays, batched_meta, and the API server's
+patch that has one (the six fixes, batched_commit, whose diff holds the output worker's
+request state in arrays, and the API server's
 response_rows, response_b64, response_json and output_turns); 0.33.0 carries the same but the store
 patches 03-05, fixed upstream there (the registry says so, and a test ties the two). No
 patch is without a diff today (``PENDING``; a record's ``diff_pending`` would say why).
@@ -45,9 +45,6 @@ ALL = [
     "store_headroom",
     "store_growth",
     "batched_commit",
-    "batched_begin",
-    "batched_meta",
-    "store_arena",
     "response_rows",
     "response_b64",
     "response_json",
@@ -60,9 +57,6 @@ EXPECTED = {
         "engine_gc",
         "packed_outputs",
         "batched_commit",
-        "batched_begin",
-        "batched_meta",
-        "store_arena",
         "response_rows",
         "response_b64",
         "response_json",
@@ -114,8 +108,8 @@ def test_one_diff_per_applicable_registry_patch(release: str) -> None:
 
 
 #: Registry patches with no diff yet, per release (their record's ``diff_pending`` says
-#: why): none today (batched_commit/batched_begin were pending on 0.33.0 until ported,
-#: the API server's response patches until 12-14 were written).
+#: why): none today (batched_commit was pending on 0.33.0 until ported,
+#: the API server's response patches until their diffs were written).
 PENDING: dict[str, list[str]] = {release: [] for release in EXPECTED}
 #: Registry patches whose upstream form is part of another patch's diff (``diff_in``).
 CARRIED = {"batched_take": "packed_outputs", "packed_hop": "packed_outputs"}
@@ -146,20 +140,19 @@ def test_patches_carried_by_another_diff_are_named_in_their_record(release: str)
 def test_a_diff_for_a_carried_patch_or_a_missing_carrier_is_reported(tmp_path: Path) -> None:
     series_dir = tmp_path / "vllm-0.32.0"
     shutil.copytree(ROOT / "patches/vllm-0.32.0", series_dir)
-    shutil.copy(series_dir / "05-store_growth.patch", series_dir / "08-batched_take.patch")
+    shutil.copy(series_dir / "05-store_growth.patch", series_dir / "07-batched_take.patch")
     problems = patches.registry_mismatch("0.32.0", patches.series("0.32.0", tmp_path))
     assert problems == [
-        "diff 08-batched_take.patch exists but the registry says the packed_outputs diff carries it"
+        "diff 07-batched_take.patch exists but the registry says the packed_outputs diff carries it"
     ]
-    (series_dir / "08-batched_take.patch").unlink()
-    # Without 02, so without the diffs that require it (06, and 07 on 06).
-    for name in ("02-packed_outputs", "06-batched_commit", "07-batched_begin"):
+    (series_dir / "07-batched_take.patch").unlink()
+    # Without 02, so without the diff that requires it (06).
+    for name in ("02-packed_outputs", "06-batched_commit"):
         (series_dir / f"{name}.patch").unlink()
     problems = patches.registry_mismatch("0.32.0", patches.series("0.32.0", tmp_path))
     assert problems == [
         "registry patch 'packed_outputs' applies to 0.32.0 but has no diff",
         "registry patch 'batched_commit' applies to 0.32.0 but has no diff",
-        "registry patch 'batched_begin' applies to 0.32.0 but has no diff",
         "registry patch 'batched_take' is carried by the packed_outputs diff, which 0.32.0 lacks",
         "registry patch 'packed_hop' is carried by the packed_outputs diff, which 0.32.0 lacks",
     ]
@@ -233,7 +226,7 @@ def test_a_malformed_requirement_is_refused(tmp_path: Path, requires: str) -> No
 
 @pytest.mark.parametrize(
     ("requires", "why"),
-    [("03-store_shrink", "not in its series"), ("10-store_arena", "comes later")],
+    [("03-store_shrink", "not in its series"), ("06-batched_commit", "comes later")],
 )
 def test_a_missing_or_later_requirement_is_refused(tmp_path: Path, requires: str, why: str) -> None:
     series_dir = tmp_path / "vllm-0.32.0"
@@ -249,20 +242,16 @@ def test_a_missing_or_later_requirement_is_refused(tmp_path: Path, requires: str
 
 @pytest.mark.parametrize("release", sorted(EXPECTED))
 def test_requirements_are_declared_where_a_diff_needs_them(release: str) -> None:
-    """06 is written on top of 02 (the packed output type), 07 on top of 06; the rest
-    stand alone. ``with_requirements`` orders what one diff needs before it."""
+    """06 is written on top of 02 (the packed output type); the rest stand alone.
+    ``with_requirements`` orders what one diff needs before it."""
     diffs = patches.series(release)
     requires = {d.name: d.requires for d in diffs if d.requires}
     if "batched_commit" in EXPECTED[release]:
-        assert requires == {
-            "batched_commit": ("02-packed_outputs",),
-            "batched_begin": ("06-batched_commit",),
-        }
-        begin = next(d for d in diffs if d.name == "batched_begin")
-        assert [d.name for d in patches.with_requirements(begin, diffs)] == [
+        assert requires == {"batched_commit": ("02-packed_outputs",)}
+        commit = next(d for d in diffs if d.name == "batched_commit")
+        assert [d.name for d in patches.with_requirements(commit, diffs)] == [
             "packed_outputs",
             "batched_commit",
-            "batched_begin",
         ]
     else:
         assert requires == {}
@@ -560,16 +549,6 @@ def test_store_pile_up_rotation_matches(results: dict[str, Any]) -> None:
 
 
 @pytest.mark.tree_parity
-def test_arena_mapping_and_contents_match(results: dict[str, Any]) -> None:
-    """store_arena: the diff builds the same private arena, same slots and bytes."""
-    overlay, diffs = _pair(results, "arena", "store_arena")
-    assert diffs == overlay
-    assert diffs["perms"] == "rw-p" and diffs["size"] == 48 * 4096
-    assert diffs["advice"] == ["nh", "wf"]  # 4 KiB pages like upstream's; wiped on fork
-    assert len(diffs["slots"]) == 48  # full: 12 evicted
-
-
-@pytest.mark.tree_parity
 def test_headroom_sizing_matches(results: dict[str, Any]) -> None:
     overlay, diffs = _pair(results, "headroom", "store_headroom")
     assert diffs["sizes"] == overlay["sizes"]
@@ -715,56 +694,6 @@ def test_overlay_skips_every_patch_on_the_patched_tree(results: dict[str, Any]) 
         assert state == "skipped" and reason.startswith("target source changed"), (name, reason)
 
 
-# -- batched_meta: the real connector, step by step ---------------------------------------
-
-META_ERRORS = {  # what upstream raises in each case (each release's real code)
-    "missing request": "KeyError",
-    "no sampling params": "AssertionError",
-    "hash history shrank": "AssertionError",
-    "prompt start None": "TypeError",
-}
-
-
-@pytest.mark.tree_parity
-def test_meta_steps_match_upstream_on_the_real_connector(results: dict[str, Any]) -> None:
-    """build_connector_meta, diff against overlay and against upstream (the installed
-    release's code, the overlay run with batched_meta reverted): every step's metadata
-    (values, value types, dict orders, hashes, terminal events), the connector's state
-    after it (_sent_hash_counts with its order, pending terminal events, generation,
-    0.33's loads), and upstream's errors with their effects."""
-    overlay, diffs = _pair(results, "meta_steps", "batched_meta")
-    assert diffs["traces"] == overlay["traces"] == overlay["upstream"]
-    steps = [(key, outcome) for trace in diffs["traces"] for key, outcome in trace]
-    errors = {(key, outcome[0][:2]) for key, outcome in steps if not isinstance(key, int)}
-    assert errors == {(case, ("raise", error)) for case, error in META_ERRORS.items()}
-    ok = [outcome[0][1] for key, outcome in steps if isinstance(key, int)]
-    assert len(ok) == len(diffs["traces"]) * 70  # no ordinary step raised
-    # What the runs went through: hash-only updates of unscheduled requests, terminal
-    # events (with their final hashes), resets, prompt starts that win, a float start.
-    assert any(set(dict(m[4])) - set(dict(m[2])) - set(m[5]) for m in ok)
-    assert sum(bool(m[5]) for m in ok) > 20
-    assert max(m[1] for m in ok) > 0
-    assert any("float" in m[3] for m in ok)
-    # The diff's fast path ran: fewer hash-helper calls than upstream's one per request.
-    assert diffs["scheduled"] == overlay["scheduled"] > 10_000
-    assert diffs["helper_calls"] < 0.8 * overlay["helper_calls"]
-    assert overlay["counters"]["fast_requests"] > 5_000  # and the overlay's
-
-
-@pytest.mark.tree_parity
-def test_meta_simulator_runs_match_upstream(results: dict[str, Any]) -> None:
-    """tests/test_batched_meta.py's workload (the bench's simulator around vLLM's real
-    Scheduler: prefix hits, chunked prefill, preemption, aborts, prompt starts, async
-    scheduling) on the patched tree: same metadata and connector state every step and
-    the same rows for every request as upstream and as the overlay."""
-    overlay, diffs = _pair(results, "meta_simulator", "batched_meta")
-    assert diffs["runs"] == overlay["runs"] == overlay["upstream"]
-    assert sum(len(trace) for trace, _, _ in diffs["runs"]) > 800
-    assert sum(seen["preempted"] for _, _, seen in diffs["runs"]) > 0
-    assert sum(seen["hit_tokens"] for _, _, seen in diffs["runs"]) > 0
-    assert overlay["counters"]["fast_requests"] > overlay["counters"]["fallback_requests"] > 0
-
-
 # -- parity: the upstream-form worker connector against the installed release's -----------
 
 #: tests/test_batched_commit.py's differential workload: 200 seeds x 300 steps (two
@@ -817,7 +746,7 @@ def upstream_form(patched_tree: Path, tmp_path_factory: pytest.TempPathFactory) 
 def test_upstream_form_worker_matches_the_installed_one(
     upstream_form: dict[str, Any], patched_tree: Path
 ) -> None:
-    """06/07's connector against the release's own (tests/batched_harness.py, every step:
+    """06's connector against the release's own (tests/batched_harness.py, every step:
     outputs, take_output bytes, errors, worker state and slots, store calls and store),
     with both its paths driven: decode runs committed at once and the loop body."""
     ci = [upstream_form["ci_0"], upstream_form["ci_1"]]
@@ -881,8 +810,8 @@ def test_upstream_form_worker_matches_on_steps_the_workload_never_makes(
     assert [(request_id, start) for request_id, start, *_ in outputs] == [("b", 3), ("c", 4)]
     assert state[1]["c"][-1][:2] == (4, 1) and "a" not in state[1]
     assert len(state[1]["b"][1]) == 1 and state[1]["b"][-1] is None
-    # begin_step's rows are not taken for a batch once one of them was freed: the request
-    # torn down in between is unknown to prepare_output, as upstream's lookup finds.
+    # A request torn down between begin_step and prepare_output is unknown to
+    # prepare_output, as upstream's lookup finds.
     assert "a" not in ends["freed_before_prepare"][1][1]
     assert ends["batch_row_freed"][0] == ("KeyError", "'a'")
     # A block whose key came with a begin_step that then raised is published by the next

@@ -1,4 +1,4 @@
-"""The upstream-form worker connector (06-batched_commit, 07-batched_begin) against the
+"""The upstream-form worker connector (06-batched_commit) against the
 installed release's own, through the differential harness (tests/batched_harness.py).
 
 Run in a subprocess with a patched tree (``scripts/patches.py apply --out``) first on
@@ -300,16 +300,12 @@ def crafted(site: Path) -> dict[str, Any]:
     assert patched._buffer._requests == {"c": a_row}
     for connector in connections.values():
         connector.close()
-    # prepare_output takes begin_step's rows for a batch that lists the scheduled ids in
-    # their order (07), unless one of those rows was freed since. Here a request finished
-    # while a step covered it is scheduled again (the scheduler never does) and torn down
-    # by that step's process_output between begin_step and prepare_output: upstream's
-    # lookup raises KeyError for it, and so must the patched side.
+    # A request finished while a step covered it is scheduled again (the scheduler never
+    # does) and torn down by that step's process_output between begin_step and
+    # prepare_output: upstream's lookup raises KeyError for it, and so must the patched side.
     connections = sides()
-    patched = connections["patched"]
     both(lambda c: c.begin_step(meta({"a": 0, "b": 0})))
     step = {name: pending(c, ["a", "b"], [0, 0], [1, 1]) for name, c in connections.items()}
-    assert step["patched"].request_rows is patched._scheduled_rows[1]  # begin_step's rows
     both(lambda c: c.begin_step(meta({"b": 1}, finished=("a",))))
     both(lambda c: c.begin_step(meta({"a": 1, "b": 1})))
     ends["freed_before_prepare"] = both(
@@ -363,7 +359,7 @@ def crafted(site: Path) -> dict[str, Any]:
         connector.close()
     # A step without metadata (begin_step(None)) after a scheduled one: upstream drops
     # the step's metadata, so the request state alone holds its ids. The patched side
-    # (07 keeps the scheduled ids for prepare_output) must hold no more of them.
+    # must hold no more of them.
     held = {}
     for name, connector in sides().items():
         request_id = "".join(["held-", name])  # a str of this side's own

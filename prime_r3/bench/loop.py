@@ -355,7 +355,7 @@ def run(
 
 
 #: Patches that count which requests their fast path took and which went to upstream.
-_COUNTED = ("batched_commit", "batched_begin", "batched_take", "batched_meta")
+_COUNTED = ("batched_commit", "batched_take")
 
 
 def _counted_modules() -> list[Any]:

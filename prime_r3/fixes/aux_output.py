@@ -2,7 +2,7 @@
 
 Not a patch: the module paths of ``vllm.distributed.aux_output_connector``, the verified
 fingerprints of connector code that several patches target or anchor (packed_outputs,
-batched_commit, batched_begin), and the whole-class anchor on ``BlockObjectStore`` that
+batched_commit, batched_take), and the whole-class anchor on ``BlockObjectStore`` that
 store_eviction and store_growth share (both rely on how ``put``, ``_retain``,
 ``_release`` and ``_evict_to_fit`` use ``_lru`` and ``_references`` together).
 Fingerprint from scripts/fingerprint.py; store.py is byte-identical in vLLM 0.31.0 and

@@ -78,7 +78,7 @@ mappings are alive at once, and past that a finished output gets a copy
 (``mappings_held``). ``live_note()`` shows these counts in ``prime-r3 status`` and the
 log line.
 
-Huge pages: every mapping is advised ``MADV_NOHUGEPAGE`` (as store_arena's arena), so it
+Huge pages: every mapping is advised ``MADV_NOHUGEPAGE``, so it
 holds memory in 4 KiB pages as its rows are written, whatever the machine's THP setting.
 Without it, on a THP ``always`` host the first touch of an untouched, aligned 2 MiB range
 of a mapping (the kernel merges our neighbouring mappings into one) takes a whole 2 MiB

@@ -91,12 +91,9 @@ ACTS_IN = {
     "store_headroom": ("writer",),
     "store_growth": ("writer",),
     "batched_commit": ("aux_process", "transport"),
-    "batched_begin": ("aux_begin",),
     "batched_take": ("transport",),
-    "batched_meta": ("sched",),
-    "store_arena": ("writer",),
 }
-_SLICED = ("engine", "sched", "aux_begin", "aux_process", "transport", "writer", "gc")
+_SLICED = ("engine", "sched", "aux_process", "transport", "writer", "gc")
 
 
 def per_slice(result: dict[str, Any], cfg: BenchConfig, slices: int) -> dict[str, list[float]]:

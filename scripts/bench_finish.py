@@ -50,6 +50,7 @@ ARMS = {
     "prime-response_b64": {"PRIME_R3_PATCHES": "all,-response_b64"},
     "prime-response_json": {"PRIME_R3_PATCHES": "all,-response_json"},
 }
+DEFAULT_ARMS = ("off", "upstream", "prime")
 
 
 def child(responses: int, tokens: int, r3: bool) -> dict[str, Any]:
@@ -133,7 +134,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--responses", type=int, default=40, help="responses per arm and round")
     p.add_argument("--tokens", type=int, default=16384, help="rows per response")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--arms", default=",".join(ARMS), help=f"from {','.join(ARMS)}")
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"from {','.join(ARMS)}")
     p.add_argument("--json", default=None)
     p.add_argument("--child", type=int, choices=(0, 1), help=argparse.SUPPRESS)  # R3
     args = p.parse_args(argv)

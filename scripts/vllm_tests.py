@@ -86,7 +86,7 @@ FILES = [
     "tests/distributed/aux_output_connector",
     "tests/model_executor/test_routed_experts_capture.py",
     "tests/v1/executor/test_ray_utils.py",
-    # The scale-out routers: the generate route's module (api_router.py, 14's file) is
+    # The scale-out routers: the generate route's module (api_router.py, 11's file) is
     # imported and its routes registered and validated on a real FastAPI app.
     "tests/entrypoints/scale_out/test_factories.py",
 ]
@@ -101,7 +101,7 @@ MIXED = [
     "tests/utils_/test_serial_utils.py",
 ]
 #: what a chosen test's source names: routed experts, aux outputs, or the function that
-#: encodes the routed experts of a response (numpy2base64, 13's)
+#: encodes the routed experts of a response (numpy2base64, 10's)
 _R3 = re.compile(
     r"\b(routed_experts\w*|return_routed_experts|aux_output\w*|AuxOutput\w*|RoutedExperts\w*"
     r"|numpy2base64)"

@@ -1,5 +1,5 @@
-"""Review findings on the upstream-form diffs (02's split take, 09's short path, 06's
-block batches).
+"""Review findings on the upstream-form diffs (02's split take, 06's block
+batches).
 
 Each test drives the patched ``connector.py`` or ``store.py`` of the installed release (built with
 ``scripts/patches.py apply``, loaded as a module of its own) against the installed

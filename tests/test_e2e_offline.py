@@ -130,7 +130,7 @@ def test_multiprocess_processes_report_their_patches(mp_pair: tuple[Any, Any]) -
     every = len(REGISTRY)  # PRIME_R3=0 disables every registry patch
     assert all(p.active == [] and len(p.disabled) == every for p in upstream.processes())
     roles = {p.role: p for p in prime.processes()}
-    assert {"batched_take", "packed_outputs"} <= set(roles["engine_core"].active)
+    assert "batched_take" in roles["engine_core"].active
     assert {"store_headroom", "batched_commit", "packed_outputs"} <= set(roles["worker"].active)
     worker = roles["worker"]
     assert "engine_gc" not in worker.active and "engine_gc" not in worker.installed

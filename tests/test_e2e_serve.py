@@ -108,7 +108,7 @@ def test_serve_processes_report_their_patches(servers: tuple[Any, Any]) -> None:
     upstream, prime = (s.processes() for s in servers)
     assert all(p.active == [] and p.disabled for p in upstream)
     roles = {p.role: p for p in prime}
-    assert {"batched_take", "packed_outputs"} <= set(roles["engine_core"].active)
+    assert "batched_take" in roles["engine_core"].active
     assert {"store_headroom", "batched_commit", "packed_outputs"} <= set(roles["worker"].active)
     assert any(
         s.startswith("engine_gc (no effect in a vLLM CPU worker") for s in roles["worker"].skipped

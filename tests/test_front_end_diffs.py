@@ -65,7 +65,7 @@ def runs(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, di
 
 
 def test_finished_routed_experts_are_upstreams(runs: tuple[dict, dict]) -> None:
-    """12's RoutedExpertsRows in vLLM's real OutputProcessor: every output (token ids,
+    """09's RoutedExpertsRows in vLLM's real OutputProcessor: every output (token ids,
     finish and stop reasons) and every finished request's routed experts (dtype, shape,
     bytes, C-contiguous, writeable, owning its data) as upstream's concatenation, and
     upstream's errors, case by case."""
@@ -102,7 +102,7 @@ def test_finished_routed_experts_are_upstreams(runs: tuple[dict, dict]) -> None:
 
 
 def test_base64_strings_are_upstreams(runs: tuple[dict, dict]) -> None:
-    """13's numpy2base64: the same string (or error) for every kind of array."""
+    """10's numpy2base64: the same string (or error) for every kind of array."""
     upstream, diffs = runs
     assert diffs["b64"] == upstream["b64"]
     assert upstream["b64"]["object"][0] == "error"
@@ -110,7 +110,7 @@ def test_base64_strings_are_upstreams(runs: tuple[dict, dict]) -> None:
 
 
 def test_generate_bodies_are_upstreams(runs: tuple[dict, dict]) -> None:
-    """14's GenerateJSONResponse, built by the route: upstream's body (or error) for every
+    """11's GenerateJSONResponse, built by the route: upstream's body (or error) for every
     response, and for content of every other shape rendered by the same class."""
     upstream, diffs = runs
     assert upstream["json"]["response_class"] == "starlette.responses.JSONResponse"

@@ -1,4 +1,4 @@
-"""output_turns and its diff (15): a backlog of steps in vLLM's real ``AsyncMPClient``.
+"""output_turns and its diff (12): a backlog of steps in vLLM's real ``AsyncMPClient``.
 
 ``tests/turns_scenarios.py`` queues a backlog of steps through vLLM's real output thread,
 socket and ``AsyncMPClient``, and takes them as ``AsyncLLM``'s output handler does: with

@@ -199,11 +199,11 @@ def test_a_missing_or_extra_diff_is_reported(tmp_path: Path) -> None:
     series_dir = tmp_path / "vllm-0.32.0"
     shutil.copytree(ROOT / "patches/vllm-0.32.0", series_dir)
     (series_dir / "03-store_eviction.patch").unlink()
-    shutil.copy(series_dir / "05-store_growth.patch", series_dir / "11-store_shrink.patch")
+    shutil.copy(series_dir / "05-store_growth.patch", series_dir / "13-store_shrink.patch")
     problems = patches.registry_mismatch("0.32.0", patches.series("0.32.0", tmp_path))
     assert problems == [
         "registry patch 'store_eviction' applies to 0.32.0 but has no diff",
-        "diff 11-store_shrink.patch has no registry patch that applies to 0.32.0",
+        "diff 13-store_shrink.patch has no registry patch that applies to 0.32.0",
     ]
 
 
@@ -280,7 +280,7 @@ def test_each_diff_also_applies_alone(tmp_path: Path) -> None:
 
 
 def test_a_diff_that_needs_another_does_not_apply_without_it(tmp_path: Path) -> None:
-    """The ``Requires:`` lines are needed: 06 and 07 do not apply to the release's files."""
+    """The ``Requires:`` lines are needed: 06 does not apply to the release's files."""
     needing = [d for d in patches.series(RELEASE) if d.requires]
     if "batched_commit" not in EXPECTED[RELEASE]:
         assert needing == []
@@ -341,7 +341,7 @@ def test_check_cli_on_the_installed_tree() -> None:
 # -- changes to vLLM's own tests, carried in the diffs --------------------------------------
 
 #: diff -> the vLLM test files it changes, per release: 06 changes the line of
-#: test_store.py's _make_worker that builds the worker's request state by hand; 12 the
+#: test_store.py's _make_worker that builds the worker's request state by hand; 09 the
 #: lines of test_output_processor.py that build a RequestState's routed experts by hand
 #: (``__new__``, then ``routed_experts_chunks = []``) or append to them.
 TEST_CHANGES = {
@@ -351,7 +351,7 @@ TEST_CHANGES = {
     }
     for release in EXPECTED
 }
-#: 12's test lines: the import, each hand-built state (one in 0.31's tests, three
+#: 09's test lines: the import, each hand-built state (one in 0.31's tests, three
 #: later), then the two appends of test_routed_experts_are_accumulated_until_finish.
 _ROWS_BUILT = [
     "-    state.routed_experts_chunks = []",

@@ -205,6 +205,7 @@ def run_interleaved(
     ctx = mp.get_context("spawn")
     procs: dict[str, tuple[Any, Any, Any]] = {}
     results: dict[str, dict[str, Any]] = {}
+    finished = False
     try:
         for arm in arms:
             out, gate = ctx.Queue(), ctx.Semaphore(0)
@@ -229,9 +230,10 @@ def run_interleaved(
                         waiting.remove(arm)
                 else:
                     results[arm.name] = _collect(arm, proc, out, on_progress, timeout)
+        finished = True
     finally:
         for proc, out, _ in procs.values():
-            proc.join(timeout=30)
+            proc.join(timeout=30 if finished else 0)  # interrupted: children wait at a gate
             if proc.is_alive():
                 proc.kill()
                 proc.join()

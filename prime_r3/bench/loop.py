@@ -306,13 +306,15 @@ def run(
         step = 0
         try:
             for step in range(cfg.total_steps):
+                # The writer thread's CPU is read before a wait for the turn: what it
+                # finishes of the last step meanwhile is still this arm's, counted here.
+                writer_before = sim.writer_clock.seconds()
                 if before_step is not None:
                     before_step(step)
                 if step == cfg.warmup:
                     window = _snapshot(sim)
                     _reset_fast_path_counters()
                 counts_before, gc_before = list(gc_meter.counts), gc_meter.seconds
-                writer_before = sim.writer_clock.seconds()
                 t0, c0 = time.perf_counter(), _cpu()
                 times = sim.step()
                 per_step["wall"][step] = time.perf_counter() - t0

@@ -126,7 +126,8 @@ def effects(
     """
     rows = []
     phase_sets = sorted(set(ACTS_IN.values()))
-    for arm in pairs[0] if pairs else {}:
+    arms = dict.fromkeys(arm for pair in pairs for arm in pair)  # an arm missing from one pair
+    for arm in arms:
         if arm.startswith("r3_prime[-"):
             name = arm[len("r3_prime[-") : -1]
             sets = [(name, ACTS_IN.get(name, ("engine",)))]

@@ -137,7 +137,7 @@ def test_port_says_unchanged_moved_gone_and_which_diffs_apply(
 
     worker = "vllm.distributed.aux_output_connector.worker"
     connector = "vllm.distributed.aux_output_connector.connector"
-    _edit(tree, worker, "AuxOutputWorkerConnector.begin_step", remove=False)
+    _edit(tree, worker, "AuxOutputWorkerConnector._commit_output", remove=False)
     _edit(tree, connector, "AuxOutputSchedulerConnector.take_output", remove=True)
     new = port.release_reader(tree)
     base = fingerprint_script.tree_reader(str(SITE))
@@ -148,7 +148,7 @@ def test_port_says_unchanged_moved_gone_and_which_diffs_apply(
         if found.state == "moved":
             assert found.detail.startswith(f"--- {INSTALLED} {worker}:"), found.detail
             assert "\n+    # upstream moved on\n" in found.detail, found.detail
-    assert states.pop(f"{worker}:AuxOutputWorkerConnector.begin_step") == "moved"
+    assert states.pop(f"{worker}:AuxOutputWorkerConnector._commit_output") == "moved"
     assert states.pop(f"{connector}:AuxOutputSchedulerConnector.take_output") == "gone"
     for _, item in LIVE:
         if item.key not in states:

@@ -170,7 +170,10 @@ def run_arms(
         proc = ctx.Process(target=_child, args=(arm, cfg, out), name=f"prime-r3-bench-{arm.name}")
         proc.start()
         try:
-            results[arm.name] = _collect(arm, proc, out, on_progress, timeout)
+            found = _collect(arm, proc, out, on_progress, timeout)
+            if found is None:  # only an interleaved run's children wait for turns
+                found = {"error": "arm waited for a turn outside --slices"}
+            results[arm.name] = found
         finally:
             proc.join(timeout=30)
             if proc.is_alive():
@@ -216,20 +219,23 @@ def run_interleaved(
             )
             proc.start()
             procs[arm.name] = (proc, out, gate)
-        waiting = list(arms)  # arms that stand at a slice's start, waiting for their turn
-        for arm in arms:
-            if not _wait_turn(arm, procs[arm.name], on_progress, timeout, results):
-                waiting.remove(arm)
+
+        def at_turn(arm: Arm) -> bool:
+            """Whether ``arm`` stands at a slice's start; if it ended instead (an error, or
+            its last slice), its result is recorded."""
+            proc, out, _ = procs[arm.name]
+            found = _collect(arm, proc, out, on_progress, timeout)
+            if found is not None:
+                results[arm.name] = found
+            return found is None
+
+        waiting = [arm for arm in arms if at_turn(arm)]  # standing at a slice's start
         for k in range(slices):
             order = waiting[k % len(waiting) :] + waiting[: k % len(waiting)] if waiting else []
             for arm in order:
-                proc, out, gate = procs[arm.name]
-                gate.release()
-                if k + 1 < slices:
-                    if not _wait_turn(arm, procs[arm.name], on_progress, timeout, results):
-                        waiting.remove(arm)
-                else:
-                    results[arm.name] = _collect(arm, proc, out, on_progress, timeout)
+                procs[arm.name][2].release()
+                if not at_turn(arm) and arm in waiting:
+                    waiting.remove(arm)
         finished = True
     finally:
         for proc, out, _ in procs.values():
@@ -241,46 +247,15 @@ def run_interleaved(
     return results
 
 
-def _wait_turn(
-    arm: Arm,
-    entry: tuple[Any, Any, Any],
-    on_progress: Callable[[Arm, int], None] | None,
-    timeout: float,
-    results: dict[str, dict[str, Any]],
-) -> bool:
-    """Wait until ``arm`` stands at a slice's start; False (its result recorded) if it
-    ended instead (an error, or a window shorter than the slices)."""
-    proc, out, _ = entry
-    waited = 0.0
-    while True:
-        try:
-            kind, payload = out.get(timeout=1.0)
-        except queue.Empty:
-            waited += 1.0
-            if not proc.is_alive():
-                results[arm.name] = {"error": f"arm process exited with code {proc.exitcode}"}
-                return False
-            if waited > timeout:
-                results[arm.name] = {"error": f"arm timed out after {timeout:.0f} s"}
-                return False
-            continue
-        if kind == "turn":
-            return True
-        if kind == "progress":
-            if on_progress is not None:
-                on_progress(arm, payload)
-            continue
-        results[arm.name] = payload if kind == "done" else {"error": payload}
-        return False
-
-
 def _collect(
     arm: Arm,
     proc: Any,
     out: Any,
     on_progress: Callable[[Arm, int], None] | None,
     timeout: float,
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
+    """The arm's result (or its error), or None when it stands at a slice's start and
+    waits for its turn (interleaved runs)."""
     waited = 0.0
     while True:
         try:
@@ -292,6 +267,8 @@ def _collect(
             if waited > timeout:
                 return {"error": f"arm timed out after {timeout:.0f} s"}
             continue
+        if kind == "turn":
+            return None
         if kind == "progress":
             if on_progress is not None:
                 on_progress(arm, payload)

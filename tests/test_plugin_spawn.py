@@ -97,10 +97,9 @@ HEAD_THRESHOLDS = "40000,15,90"
 NODE_OWN = {"PRIME_R3_ENGINE_GC_THRESHOLDS": "1111,1,1"}
 
 
-def _worker_node(
-    head_env: dict[str, str], own_env: dict[str, str], mode: str, machine: str, queue: Any
-) -> None:
-    """A worker process on a node with its own environment; reports the applied GC thresholds."""
+def _worker_node(head_env: dict[str, str], own_env: dict[str, str], queue: Any) -> None:
+    """A child of the head that starts with its own PRIME_R3* values and gets the head's
+    environment as RayExecutorV2 gives it (``setdefault``); reports the GC thresholds."""
     import gc
 
     for var in list(os.environ):
@@ -108,17 +107,8 @@ def _worker_node(
             del os.environ[var]
     os.environ.update(own_env)
     try:
-        if mode == "overwrite":  # legacy RayDistributedExecutor: update_environment_variables
-            from vllm.v1.worker.worker_base import WorkerWrapperBase
-
-            WorkerWrapperBase(rpc_rank=0).update_environment_variables([head_env])
-        elif mode == "setdefault":  # RayExecutorV2: RayWorkerProc.initialize_worker
-            for key, value in head_env.items():
-                os.environ.setdefault(key, value)
-        import prime_r3.config
-
-        if machine != "same":
-            prime_r3.config.machine_id = lambda: machine  # type: ignore[assignment]
+        for key, value in head_env.items():  # RayExecutorV2's RayWorkerProc.initialize_worker
+            os.environ.setdefault(key, value)
         from vllm.plugins import load_general_plugins
 
         load_general_plugins()
@@ -138,12 +128,12 @@ def _worker_node(
         queue.put({"error": f"{type(error).__name__}: {error}"})
 
 
-def _run_worker_node(head_env: dict[str, str], mode: str, machine: str) -> dict[str, Any]:
+def _run_worker_node(head_env: dict[str, str]) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(
         target=_worker_node,
-        args=(head_env, {"VLLM_TARGET_DEVICE": "cpu", **NODE_OWN}, mode, machine, queue),
+        args=(head_env, {"VLLM_TARGET_DEVICE": "cpu", **NODE_OWN}, queue),
     )
     proc.start()
     result = queue.get(timeout=300)
@@ -169,20 +159,6 @@ def head(reverted: pytest.MonkeyPatch):  # noqa: ANN201
     return reverted
 
 
-def _legacy_copy() -> dict[str, str]:
-    """The env the legacy RayDistributedExecutor sends each worker (0.31/0.32)."""
-    from vllm.platforms import current_platform
-    from vllm.ray.ray_env import get_env_vars_to_copy
-    from vllm.v1.executor.ray_utils import WORKER_SPECIFIC_ENV_VARS
-
-    names = get_env_vars_to_copy(
-        exclude_vars=WORKER_SPECIFIC_ENV_VARS,
-        additional_vars=set(current_platform.additional_env_vars),
-        destination="workers",
-    )
-    return {name: os.environ[name] for name in names if name in os.environ}
-
-
 def test_vllm_ray_copy_list_carries_prime_r3_and_keeps_the_users_prefixes(head) -> None:  # noqa: ANN001
     from vllm.ray.ray_env import get_env_vars_to_copy
 
@@ -196,51 +172,10 @@ def test_vllm_ray_copy_list_carries_prime_r3_and_keeps_the_users_prefixes(head) 
     assert os.environ["VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"] == "MYLIB_,PRIME_R3"
 
 
-def _legacy_executor_source() -> str | None:
-    from prime_r3 import fingerprint
-
-    try:
-        return fingerprint.read_installed("vllm.v1.executor.ray_executor").source
-    except fingerprint.SourceUnavailable:
-        return None
-
-
-def test_legacy_ray_executor_worker_on_another_node_runs_the_heads_settings(head) -> None:  # noqa: ANN001
-    """0.31/0.32's default Ray executor: copied by prefix, worker's own value overwritten."""
-    import vllm
-
-    source = _legacy_executor_source()
-    # 0.33 removed the legacy executor (RayExecutorV2 is the only Ray backend there).
-    assert (source is not None) == (vllm.__version__ in ("0.31.0", "0.32.0")), vllm.__version__
-    if source is None:
-        pytest.skip(f"vllm {vllm.__version__} has no legacy Ray executor")
-    # How that release builds and sends each worker's environment.
-    assert "get_env_vars_to_copy(" in source and '"update_environment_variables"' in source
-    result = _run_worker_node(_legacy_copy(), "overwrite", "another-machine")
-    assert result == {"patched": True, "thresholds": [40000, 15, 90]}
-
-
-def test_ray_v2_worker_on_another_node_runs_the_heads_settings(head) -> None:  # noqa: ANN001
-    """RayExecutorV2 copies everything with setdefault: the node's own value would win."""
-    from vllm.v1.executor.ray_env_utils import get_driver_env_vars
-    from vllm.v1.executor.ray_utils import WORKER_SPECIFIC_ENV_VARS
-
-    from prime_r3 import fingerprint
-
-    init = fingerprint.segment(
-        fingerprint.read_installed("vllm.v1.executor.ray_executor_v2").source,
-        "RayWorkerProc.initialize_worker",
-    )
-    assert "os.environ.setdefault(key, value)" in init  # how every release applies it
-    driver_env = get_driver_env_vars(worker_specific_vars=WORKER_SPECIFIC_ENV_VARS)
-    result = _run_worker_node(driver_env, "setdefault", "another-machine")
-    assert result == {"patched": True, "thresholds": [40000, 15, 90]}
-
-
 def test_process_on_the_heads_machine_keeps_its_own_settings(head) -> None:  # noqa: ANN001
     """A child the user starts with other PRIME_R3* values on the same machine means it."""
     from vllm.v1.executor.ray_env_utils import get_driver_env_vars
 
     driver_env = get_driver_env_vars(worker_specific_vars=set())
-    result = _run_worker_node(driver_env, "setdefault", "same")
+    result = _run_worker_node(driver_env)
     assert result == {"patched": True, "thresholds": [1111, 1, 1]}

@@ -1,15 +1,13 @@
 """prime-r3 bench: vLLM's real R3 path gives bitwise-identical rows with and without prime_r3.
 
-The workload is sized so the KV cache overflows: requests are preempted and resumed,
-the routed-experts store is full and evicting, and RL-style repeated prompts hit the
-prefix cache. The test asserts those paths were taken, so parity is checked where it
-can actually break. A shorter run ends with every preempted request still in flight, as
-the default bench does: parity must compare their partial row streams.
+The workload is sized so the KV cache overflows: requests are preempted, the
+routed-experts store is full and evicting, and RL-style repeated prompts hit the prefix
+cache. The test asserts those paths were taken, so parity is checked where it can
+actually break. The run ends with every preempted request still in flight, as the default
+bench does: parity must compare their partial row streams.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 import pytest
@@ -20,9 +18,10 @@ from prime_r3.bench.workload import BenchConfig
 from prime_r3.guards import installed_vllm_version
 from prime_r3.patches import REGISTRY
 
+#: Short enough that no preempted request finishes (they recompute late): some are in flight.
 SMALL = BenchConfig(
     concurrency=24,
-    steps=120,
+    steps=60,
     warmup=0,
     prefix_len=32,
     problem_len=48,
@@ -32,8 +31,6 @@ SMALL = BenchConfig(
     kv_blocks=60,
     max_num_batched_tokens=256,
 )
-#: Half as long: no preempted request finishes (they recompute late), some are in flight.
-SHORT = dataclasses.replace(SMALL, steps=60)
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +53,6 @@ def _run(cfg: BenchConfig, applicable: tuple[str, ...], left_out: tuple[str, ...
 @pytest.fixture(scope="module")
 def results(applicable: tuple[str, ...]) -> dict:
     return _run(SMALL, applicable, (LEFT_OUT,))
-
-
-@pytest.fixture(scope="module")
-def short_results(applicable: tuple[str, ...]) -> dict:
-    return _run(SHORT, applicable)
 
 
 def test_arms_ran_clean(results: dict, applicable: tuple[str, ...]) -> None:
@@ -118,15 +110,15 @@ def test_parity_names_request_and_first_differing_row(results: dict) -> None:
         parity.compare(base, tampered, ("a", "b"))
 
 
-def test_parity_compares_preempted_requests_in_flight_at_the_end(short_results: dict) -> None:
-    for name, result in short_results.items():
+def test_parity_compares_preempted_requests_in_flight_at_the_end(results: dict) -> None:
+    for name, result in results.items():
         assert result.get("error") is None, f"{name}: {result.get('error')}"
-    base = short_results["r3_upstream"]
+    base = results["r3_upstream"]
     flags = base["flags"]
     # The shape of the default bench: the preempted requests are all still running.
     assert not any(flags[r][0] for r in base["digests"])
     assert any(flags[r][0] for r in base["in_flight"])
-    checked = command.check_parity(short_results)["r3_prime"]
+    checked = command.check_parity(results)["r3_prime"]
     assert checked["preempted_requests"] > 0
     assert checked["in_flight_requests"] == len(base["in_flight"]) > 0
     assert checked["finished_requests"] == len(base["digests"]) > 0
@@ -142,9 +134,9 @@ def test_parity_compares_preempted_requests_in_flight_at_the_end(short_results: 
 
 
 def test_parity_names_an_in_flight_preempted_request_whose_rows_differ(
-    short_results: dict,
+    results: dict,
 ) -> None:
-    base, other = short_results["r3_upstream"], short_results["r3_prime"]
+    base, other = results["r3_upstream"], results["r3_prime"]
     request_id = next(r for r in sorted(other["in_flight"]) if base["flags"][r][0])
     sha, prints, rows = other["in_flight"][request_id]
     prints = np.array(prints, copy=True)
@@ -159,8 +151,8 @@ def test_parity_names_an_in_flight_preempted_request_whose_rows_differ(
         parity.compare(base, cut, ("a", "b"))
 
 
-def test_parity_requires_the_same_requests_in_flight(short_results: dict) -> None:
-    base, other = short_results["r3_upstream"], short_results["r3_prime"]
+def test_parity_requires_the_same_requests_in_flight(results: dict) -> None:
+    base, other = results["r3_upstream"], results["r3_prime"]
     request_id = sorted(other["in_flight"])[0]
     dropped = {**other, "in_flight": dict(other["in_flight"])}
     del dropped["in_flight"][request_id]

@@ -39,37 +39,28 @@ EXPECTED_STATES = {
 }
 
 
-def test_status_json_lists_every_patch_with_its_state_on_this_release() -> None:
+#: One environment for the runs below (each run imports vLLM: tens of seconds apiece): a
+#: patch dropped, a parameter set, and the setup scripts' variable exported, as
+#: ensure_env.sh invites.
+_ENV = {
+    "PRIME_R3_PATCHES": "-engine_gc",
+    "PRIME_R3_ENGINE_GC_THRESHOLDS": "40000,15,90",
+    "PRIME_R3_PYTHON": "/x/py",
+}
+
+
+def test_status_json_lists_every_patch_and_setting_on_this_release() -> None:
     import vllm
 
-    result = _run("status", "--json")
+    result = _run("status", "--json", **_ENV)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["vllm_version"] == vllm.__version__
     states = {o["name"]: o for o in report["outcomes"]}
     assert states["engine_gc"]["vllm_range"] == ">=0.31,<0.34"
-    assert {n: o["state"] for n, o in states.items()} == EXPECTED_STATES[vllm.__version__]
-
-
-def test_status_text_and_env_disabled() -> None:
-    result = _run("status", PRIME_R3_PATCHES="-engine_gc")
-    assert result.returncode == 0, result.stderr
-    line = next(ln for ln in result.stdout.splitlines() if "engine_gc" in ln)
-    assert "disabled by env" in line
-
-
-def test_status_bad_env_exits_2_with_message() -> None:
-    result = _run("status", PRIME_R3="perhaps")
-    assert result.returncode == 2
-    assert "PRIME_R3='perhaps'" in result.stderr
-
-
-def test_status_reports_every_setting_with_value_and_source() -> None:
-    result = _run(
-        "status", "--json", PRIME_R3_ENGINE_GC_THRESHOLDS="40000,15,90", PRIME_R3_PYTHON="/x/py"
-    )
-    assert result.returncode == 0, result.stderr
-    settings = {s["var"]: s for s in json.loads(result.stdout)["settings"]}
+    expected = {**EXPECTED_STATES[vllm.__version__], "engine_gc": "disabled"}
+    assert {n: o["state"] for n, o in states.items()} == expected
+    settings = {s["var"]: s for s in report["settings"]}
     assert settings["PRIME_R3_ENGINE_GC_THRESHOLDS"] == {
         "var": "PRIME_R3_ENGINE_GC_THRESHOLDS",
         "value": [40000, 15, 90],
@@ -81,17 +72,23 @@ def test_status_reports_every_setting_with_value_and_source() -> None:
     assert settings["PRIME_R3_PYTHON"]["value"] == "/x/py"
     assert settings["PRIME_R3_PYTHON"]["overlay"] is False
 
-    text = _run("status", PRIME_R3_ENGINE_GC_THRESHOLDS="40000,15,90").stdout
-    line = next(ln for ln in text.splitlines() if "PRIME_R3_ENGINE_GC_THRESHOLDS" in ln)
+
+def test_status_text_says_what_is_disabled_and_where_each_setting_comes_from() -> None:
+    result = _run("status", **_ENV)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    line = next(ln for ln in lines if ln.split()[:1] == ["engine_gc"])
+    assert "disabled by env" in line
+    line = next(ln for ln in lines if "PRIME_R3_ENGINE_GC_THRESHOLDS" in ln)
     assert "40000,15,90" in line and "(from env)" in line
-    line = next(ln for ln in text.splitlines() if "PRIME_R3_ENGINE_GC_API_SERVER" in ln)
+    line = next(ln for ln in lines if "PRIME_R3_ENGINE_GC_API_SERVER" in ln)
     assert "False" in line and "(default)" in line
 
 
-def test_status_with_setup_script_variable_exported_works() -> None:
-    """ensure_env.sh invites exporting PRIME_R3_PYTHON; that must not break status."""
-    result = _run("status", PRIME_R3_PYTHON="/usr/bin/python3.11")
-    assert result.returncode == 0, result.stderr
+def test_status_bad_env_exits_2_with_message() -> None:
+    result = _run("status", PRIME_R3="perhaps")
+    assert result.returncode == 2
+    assert "PRIME_R3='perhaps'" in result.stderr
 
 
 def test_status_out_of_range_threshold_exits_2_naming_variable_value_and_range() -> None:

@@ -43,30 +43,49 @@ def _start(
     )
 
 
+#: The patched tree's arms: run where the session runs the ``tree_parity`` tests (CI: the
+#: default release only), as the other tree-parity runs are.
+DIFFS = ("diffs", "diffs_r3_off", "diffs_slice")
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def runs(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> dict[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("turns")
-    tree = Path(patches.apply(SITE, RELEASE, tmp / "vllm_tree"))
     overlay, upstream = {"PRIME_R3_PATCHES": "output_turns"}, {"PRIME_R3": "0"}
-    arms = {  # (R3, slice ms, environment[, tree])
+    arms: dict[str, tuple[Any, ...]] = {  # (R3, slice ms, environment[, tree])
         "overlay": (True, 0, overlay),
         "overlay_r3_off": (False, 0, overlay),
         "upstream": (True, 0, upstream),
-        "diffs": (True, 0, upstream, tree),
-        "diffs_r3_off": (False, 0, upstream, tree),
         "overlay_slice": (True, _LONG_SLICE_MS, overlay),
-        "diffs_slice": (True, _LONG_SLICE_MS, upstream, tree),
     }
+    if any(item.get_closest_marker("tree_parity") for item in request.session.items):
+        tree = Path(patches.apply(SITE, RELEASE, tmp / "vllm_tree"))
+        arms["diffs"] = (True, 0, upstream, tree)
+        arms["diffs_r3_off"] = (False, 0, upstream, tree)
+        arms["diffs_slice"] = (True, _LONG_SLICE_MS, upstream, tree)
     started = {arm: _start(tmp / f"{arm}.pickle", *spec) for arm, spec in arms.items()}
     found = {}
     for arm, process in started.items():
         output, _ = process.communicate(timeout=600)
         assert process.returncode == 0, output[-6000:]
         found[arm] = pickle.loads((tmp / f"{arm}.pickle").read_bytes())
-    for arm in ("diffs", "diffs_r3_off", "diffs_slice"):
-        assert Path(found[arm]["vllm_file"]).is_relative_to(tree), found[arm]["vllm_file"]
+    for arm in DIFFS:
+        if arm in found:
+            assert Path(found[arm]["vllm_file"]).is_relative_to(tree), found[arm]["vllm_file"]
     assert Path(found["upstream"]["vllm_file"]).is_relative_to(SITE)
     return found
+
+
+def _ran(runs: dict[str, Any], *arms: str) -> list[str]:
+    """Those of ``arms`` that ran (the patched tree's only where tree_parity runs)."""
+    return [arm for arm in arms if arm in runs]
+
+
+@pytest.mark.tree_parity
+def test_the_patched_trees_arms_ran(runs: dict[str, Any]) -> None:
+    assert set(DIFFS) <= set(runs)
 
 
 def _upstreams_fields(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -88,7 +107,7 @@ def test_the_handler_gets_upstreams_steps_in_upstreams_order(runs: dict) -> None
     assert [s["timestamp"] for s in runs["upstream"]["steps"]] == sent
     for arm in ("overlay", "overlay_r3_off", "overlay_slice"):
         assert runs[arm]["steps"] == runs["upstream"]["steps"], arm
-    for arm in ("diffs", "diffs_r3_off", "diffs_slice"):
+    for arm in _ran(runs, *DIFFS):
         assert _upstreams_fields(runs[arm]["steps"]) == runs["upstream"]["steps"], arm
 
 
@@ -97,10 +116,10 @@ def test_upstream_works_off_a_backlog_in_one_turn_the_overlay_turns_per_step(
 ) -> None:
     # Upstream (and the overlay with R3 off): no task runs between two queued steps.
     assert runs["upstream"]["turns_before"][1:] == [0] * (STEPS - 1)
-    assert runs["overlay_r3_off"]["turns_before"][1:] == [0] * (STEPS - 1)
-    assert runs["diffs_r3_off"]["turns_before"][1:] == [0] * (STEPS - 1)
+    for arm in _ran(runs, "overlay_r3_off", "diffs_r3_off"):
+        assert runs[arm]["turns_before"][1:] == [0] * (STEPS - 1), arm
     # The fix: the ticker ran before every queued step reached the handler.
-    for arm in ("overlay", "diffs"):
+    for arm in _ran(runs, "overlay", "diffs"):
         assert all(t >= 1 for t in runs[arm]["turns_before"][1:]), runs[arm]
     counters = runs["overlay"]["counters"]
     # The cancelled call and the STEPS calls after it each found a step queued.
@@ -112,7 +131,7 @@ def test_upstream_works_off_a_backlog_in_one_turn_the_overlay_turns_per_step(
 def test_within_a_slice_the_backlog_is_worked_off_as_upstream_does(runs: dict) -> None:
     """The coalescing a stream behind the engine gets from upstream is kept: within the
     slice no other task runs between queued steps, in the handler and the socket task."""
-    for arm in ("overlay_slice", "diffs_slice"):
+    for arm in _ran(runs, "overlay_slice", "diffs_slice"):
         assert runs[arm]["turns_before"][1:] == [0] * (STEPS - 1), runs[arm]
         assert max(runs[arm]["queued_per_turn"]) >= STEPS - 1, runs[arm]
         # Upstream's call took its step in its first run, before the cancel reached it.
@@ -140,11 +159,11 @@ def test_upstreams_socket_task_queues_a_backlog_in_one_turn_the_overlay_one_per_
 ) -> None:
     # Upstream: pyzmq's done futures let the socket task receive every waiting step at
     # once (all STEPS, or all but the first if that one woke it on its own).
-    for arm in ("upstream", "overlay_r3_off", "diffs_r3_off"):
+    for arm in _ran(runs, "upstream", "overlay_r3_off", "diffs_r3_off"):
         assert max(runs[arm]["queued_per_turn"]) >= STEPS - 1, (arm, runs[arm])
     # The fix: the first receive after waiting (its future pending) does not know yet
     # that it is behind, the second finds a message waiting; from then on one a turn.
-    for arm in ("overlay", "diffs"):
+    for arm in _ran(runs, "overlay", "diffs"):
         assert sum(runs[arm]["queued_per_turn"]) == STEPS, (arm, runs[arm])
         assert max(runs[arm]["queued_per_turn"]) <= 2, (arm, runs[arm])
     socket = runs["overlay"]["socket_counters"]
@@ -153,12 +172,12 @@ def test_upstreams_socket_task_queues_a_backlog_in_one_turn_the_overlay_one_per_
 
 
 def test_a_call_cancelled_during_its_turn_takes_no_step(runs: dict) -> None:
-    for arm in ("overlay", "diffs"):
+    for arm in _ran(runs, "overlay", "diffs"):
         assert runs[arm]["cancelled"] and runs[arm]["left_after_cancel"] == STEPS, arm
     # Upstream's call takes its step in its first run, before the cancel reaches it.
     assert runs["upstream"]["left_after_cancel"] == STEPS - 1
-    assert runs["overlay_r3_off"]["left_after_cancel"] == STEPS - 1
-    assert runs["diffs_r3_off"]["left_after_cancel"] == STEPS - 1
+    for arm in _ran(runs, "overlay_r3_off", "diffs_r3_off"):
+        assert runs[arm]["left_after_cancel"] == STEPS - 1, arm
 
 
 def test_a_call_on_an_empty_queue_waits_and_an_engine_death_raises_as_upstream(

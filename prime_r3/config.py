@@ -380,7 +380,7 @@ def export_for_ray_workers(
         try:
             if _carrier_applies(json.loads(raw)):
                 return  # a worker of a head's: keep the head's settings for our children
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, IndexError):
             pass  # malformed: settings_environ() already refused it; overwrite
     own = {k: v for k, v in settings_env.items() if _is_overlay_var(k)}
     carrier = {"machine": machine_id(), "process": _process_id(os.getpid()), "env": own}

@@ -111,6 +111,7 @@ def main(model: str, out_path: str) -> None:
     out["v2"] = pids(workers)
     for w in workers:
         ray.kill(w)
+    queue.shutdown()
     with open(out_path, "w") as f:
         json.dump(out, f)
 

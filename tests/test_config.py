@@ -252,6 +252,8 @@ def _same_machine(process: list[int] | None) -> dict[str, str]:
 def test_same_machine_below_the_writer_keeps_its_own_settings() -> None:
     """Written by this process or an ancestor (vLLM's spawned children): own settings."""
     for pid in (os.getpid(), os.getppid()):
+        if pid == 0:  # this process is a PID namespace's first (a container's): no parent
+            continue
         process = config._process_id(pid)
         assert process is not None
         env = _same_machine(process)

@@ -18,12 +18,15 @@ tensor parallel 2 under the multiprocessing executor.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -45,7 +48,10 @@ pytestmark = [
 ]
 
 HEAD = {"PRIME_R3_PATCHES": "-store_growth"}
-NODE = {"PRIME_R3_PATCHES": "-batched_commit"}  # the shell that ran `ray start`
+#: The shell that ran `ray start`: a value the head also sets, and one only the node sets.
+NODE = {"PRIME_R3_PATCHES": "-batched_commit", "PRIME_R3_ENGINE_GC_THRESHOLDS": "1111,1,1"}
+#: What the head's own parent exported (another overlay setting): its child keeps its own.
+PARENT = {"PRIME_R3_PATCHES": "-packed_hop"}
 WORKER = {"store_headroom", "batched_commit", "packed_outputs"}
 DRIVER = pathlib.Path(__file__).with_name("ray_driver.py")
 
@@ -56,6 +62,7 @@ def _ray_bin() -> str:
 
 @pytest.fixture(scope="module")
 def ray_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    from prime_r3 import config
     from prime_r3.e2e import checkpoint, engine
 
     model = checkpoint.ensure(checkpoint.PROFILES["small"])
@@ -64,18 +71,22 @@ def ray_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     probe.mkdir()
     base = engine.engine_env(probe, RAY_AUTH_MODE="disabled", VLLM_CPU_OMP_THREADS_BIND="0|1")
     base = {k: v for k, v in base.items() if not k.startswith("PRIME_R3")}
+    parent: dict[str, str] = {}  # this process as the head's parent, as vllm serve's is
+    config.export_for_ray_workers(PARENT, parent)
     log = tmp / "ray.log"
+    temp = tempfile.mkdtemp(prefix="r3ray", dir="/tmp")  # Ray's socket paths stay short
     with open(log, "wb") as out:
         node = subprocess.Popen(
             [_ray_bin(), "start", "--head", "--block", "--port", "0", "--num-cpus", "2",
-             "--temp-dir", str(tmp / "r"), "--include-dashboard=false", "--disable-usage-stats"],
+             "--temp-dir", temp, "--include-dashboard=false", "--disable-usage-stats"],
             env={**base, **NODE}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_stop_with_parent,
         )  # fmt: skip
     try:
         address = _address(log, node)
         driver = subprocess.run(
             [sys.executable, str(DRIVER), str(model), str(tmp / "driver.json")],
-            env={**base, **HEAD, "RAY_ADDRESS": address},
+            env={**base, **HEAD, config.HEAD_VAR: parent[config.HEAD_VAR], "RAY_ADDRESS": address},
             capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         (tmp / "driver.log").write_text(driver.stdout + driver.stderr)
@@ -85,16 +96,24 @@ def ray_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     finally:
         os.killpg(node.pid, signal.SIGTERM)  # `ray start --block` stops what it started
         node.wait(60)
-        if _wait_gone(tmp, 10):  # Ray's workers can take a heartbeat to notice: not ours
-            for pid in _left(tmp):
+        if _wait_gone(temp, 10):  # Ray's workers can take a heartbeat to notice: not ours
+            for pid in _left(temp):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-            assert not _wait_gone(tmp, 10), "Ray processes outlived SIGKILL"
+            assert not _wait_gone(temp, 10), "Ray processes outlived SIGKILL"
+        shutil.rmtree(temp, ignore_errors=True)
 
 
-def _wait_gone(tmp: pathlib.Path, seconds: float) -> list[int]:
+def _stop_with_parent() -> None:
+    """In `ray start`: SIGTERM when the test process dies (interrupted, killed), so the
+    cluster stops with it (Linux's PR_SET_PDEATHSIG; `ray start` stops what it started)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _wait_gone(temp: str, seconds: float) -> list[int]:
     deadline = time.monotonic() + seconds
-    while (left := _left(tmp)) and time.monotonic() < deadline:
+    while (left := _left(temp)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
 
@@ -110,12 +129,12 @@ def _address(log: pathlib.Path, node: subprocess.Popen[bytes]) -> str:
     raise TimeoutError(log.read_text(errors="replace")[-4000:])
 
 
-def _left(tmp: pathlib.Path) -> list[int]:
+def _left(temp: str) -> list[int]:
     """Processes still running from this cluster (their command lines name its temp dir)."""
     left = []
     for proc in pathlib.Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and str(tmp).encode() in (proc / "cmdline").read_bytes():
+            if proc.name.isdigit() and temp.encode() in (proc / "cmdline").read_bytes():
                 left.append(int(proc.name))
         except OSError:
             pass
@@ -160,15 +179,20 @@ def test_ray_workers_run_the_heads_settings(ray_run: dict[str, Any], executor: s
         p = ray_run["procs"][pid]
         installed = _installed(p)
         assert WORKER <= installed and "store_growth" not in installed, p.lines
+        # The node's own value the head does not set is dropped (the head's carrier).
+        (note,) = [line for line in p.lines if "replaced by the head's" in line]
+        assert "PRIME_R3_ENGINE_GC_THRESHOLDS='1111,1,1' -> None" in note, note
+        replaced = "PRIME_R3_PATCHES='-batched_commit' -> '-store_growth'"
+        # v1 overwrote PRIME_R3_PATCHES itself (vLLM's copy); v2 left the node's.
+        assert (replaced in note) == (executor == "v2"), note
         if executor == "v2":
             assert p.summaries == 1 and p.disabled == ["store_growth"], p.describe()
             assert WORKER <= set(p.active), p.describe()
-            replaced = "PRIME_R3_PATCHES='-batched_commit' -> '-store_growth'"
-            assert any(replaced in line for line in p.lines), p.lines
 
 
 def test_the_head_runs_its_own_settings(ray_run: dict[str, Any]) -> None:
-    """The head (EngineCore's part, here the driver) keeps its own environment's settings."""
+    """The head (EngineCore's part, here the driver) keeps its own settings although its
+    parent's carrier holds others: it runs in that parent's process tree."""
     workers = set(ray_run.get("v1", [])) | set(ray_run["v2"])
     head = [p for pid, p in ray_run["procs"].items() if pid not in workers]
     assert len(head) == 1 and head[0].disabled == ["store_growth"], [p.describe() for p in head]

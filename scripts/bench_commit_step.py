@@ -1,7 +1,6 @@
 """One bench-like output-worker step through ``process_output``, arms interleaved in one process.
 
     .venv/bin/python scripts/bench_commit_step.py [--before REV] [--iterations 150] [-n 400]
-                                                  [--history]
 
 Why: ``prime-r3 bench step-ab`` (whole bench loop, fresh interpreters) is the honest
 end-to-end comparison, but on this shared machine its noise control (``begin_step``,
@@ -11,28 +10,24 @@ from the same state, one after another within each iteration (order alternating)
 load drift hits them alike; ``before_again`` repeats ``before`` as the noise control.
 
 The step: ``-n`` decodes (buffered tails of every length) and one prompt after a
-prefix hit (496 tokens cached, 16 new, its output read back from the store), as most
-of ``prime-r3 bench``'s multi-token requests are; every patch applied, packed steps
-declared; then ``--flush-mb`` written, so the step reads upstream's per-request objects
-from memory, not from a cache the setup just filled (the engine runs a whole model step
-between two commits). Arms: ``new`` (this working tree), ``before`` and ``before_again`` (the
-``_commit_output`` wrapper of git revision ``--before``: its
+prefix hit (496 tokens cached, 16 new, its output read back from the store: upstream's
+fallback), as most of ``prime-r3 bench``'s multi-token requests are; every patch
+applied, packed steps declared; then ``--flush-mb`` written, so the step reads upstream's
+per-request objects from memory, not from a cache the setup just filled (the engine runs
+a whole model step between two commits). Arms: ``new`` (this working tree), ``before``
+and ``before_again`` (the ``_commit_output`` wrapper of git revision ``--before``: its
 ``prime_r3/fixes/batched_commit.py`` is exported as ``benchkit.export_revision`` exports a
 revision and loaded beside this tree's under another module name, and the wrapper its
 ``_batched_commit`` builds is the one the arm's connector calls, over upstream's
 ``_commit_output``; everything else is this tree's). Each arm's connector calls its
-wrapper through an instance attribute, the same call for every arm. With ``--history``,
-also ``no_multi`` (multi-token requests forced to upstream's ``_commit_output``, as
-before the multi-token path) and ``no_cache`` (``state.wrapped_by`` walked every step,
-as before the cache). Printed: medians of main-thread CPU per step (us) and the median of
-the per-iteration ratio to ``before``.
+wrapper through an instance attribute, the same call for every arm. Printed: medians of
+main-thread CPU per step (us) and the median of the per-iteration ratio to ``before``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import inspect
 import os
 import statistics
 import sys
@@ -161,7 +156,6 @@ def print_medians(times: dict[str, list[float]]) -> None:
 
 def main() -> None:
     parser = step_parser(__doc__, "decodes in the step")
-    parser.add_argument("--history", action="store_true", help="also no_multi and no_cache")
     args = parse_step_args(parser)
 
     import numpy as np
@@ -176,7 +170,6 @@ def main() -> None:
     )
     from vllm.distributed.aux_output_connector.store import BlockObject
 
-    from prime_r3 import state
     from prime_r3.fixes import batched_commit
     from prime_r3.packed import FORMAT_VERSION, READS_MARK
     from tests import batched_harness as harness
@@ -239,32 +232,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="prime_r3_before_") as into:
         before = load_revision(args.before, "batched_commit", into)._batched_commit({})
     new = batched_commit._batched_commit({})
-    select_multi = batched_commit._select_multi
-    cached_answer = batched_commit._PACKING_WRAPS.packed
-
-    def no_multi(connector: Any, ids: Any, positions: list[int], *rest: Any) -> Any:
-        rest[2]["multi_token"] += len(positions)  # reasons
-        return batched_commit._Multi([], [], [], [], list(positions), [])
-
-    def walked(cls: type) -> bool:
-        attr = inspect.getattr_static(cls, "process_output", None)
-        return "packed_outputs" in state.wrapped_by(attr)
-
-    arms = {
-        "new": (new, select_multi, cached_answer),
-        "before": (before, select_multi, cached_answer),
-        "before_again": (before, select_multi, cached_answer),
-    }
-    if args.history:
-        arms["no_multi"] = (new, no_multi, cached_answer)
-        arms["no_cache"] = (new, select_multi, walked)
+    arms = {"new": new, "before": before, "before_again": before}
 
     def swap(arm: Any) -> None:
-        (
-            current["wrapper"],
-            batched_commit._select_multi,
-            batched_commit._PACKING_WRAPS.packed,
-        ) = arm
+        current["wrapper"] = arm
 
     def check(connector: Any, outputs: Any) -> None:
         assert len(outputs) == n + 1

@@ -86,10 +86,7 @@ def test_differential_parity(reverted: pytest.MonkeyPatch, chunk: int) -> None:
     counts = batched_commit.COUNTERS.snapshot()
     # The harness really drove the patch, on both of its paths.
     assert counts["fast_requests"] > 0 and counts["fallback_requests"] > 0, counts
-    assert counts["fast_multi_token"] > 0, counts
-    assert {"multi_token_rejected", "multi_token_mixed", "cursor", "step"} <= set(
-        counts["fallback_reasons"]
-    ), counts
+    assert {"multi_token", "cursor", "step"} <= set(counts["fallback_reasons"]), counts
     assert steps > per * STEPS // 2, (steps, ends)
     assert checks > steps
     missing = [case for case in CASES if not seen[case]]
@@ -156,7 +153,7 @@ def test_a_reason_counted_zero_times_is_not_recorded() -> None:
     """A mixed step's one-token non-decodes count ``rejected`` and ``not_sampled`` in one
     go (``reasons[...] += int(...)``), so one of them is often 0: the counters keep only
     the reasons that occurred (the bench prints them as the step's fallback reasons)."""
-    counters = batched_commit.CommitCounters()
+    counters = batched_commit.Counters()
     step_reasons: Counter[str] = Counter()
     step_reasons["rejected"] += 0
     step_reasons["not_sampled"] += 2
@@ -333,62 +330,14 @@ def test_a_decode_step_allocates_no_step_sized_array(
     ours, peak, snapshot, sent = _decode_step(reference=False, packed=packed, prefill=prefill)
     assert ours == expected and ("p" in ours["outputs"]) is prefill
     counts = batched_commit.COUNTERS.snapshot()
-    # The new request's whole prompt (aligned, emits from its first token) is the
-    # multi-token fast path's: no request goes to upstream.
-    assert counts["fast_requests"] == 64 + prefill and counts["fast_multi_token"] == prefill
-    # The common step records no reason, not even a zero one.
-    assert counts["fallback_reasons"] == {}, counts
+    # The new request's prompt is upstream's; the common step records no reason, not
+    # even a zero one.
+    assert counts["fast_requests"] == 64, counts
+    assert counts["fallback_reasons"] == ({"multi_token": 1} if prefill else {}), counts
     assert (sent is not None) is packed
     if packed:
         assert np.shares_memory(sent, snapshot) and np.array_equal(sent, snapshot)
     assert peak < snapshot.nbytes // 4, (peak, snapshot.nbytes)
-
-
-def test_multi_token_path_reaches_every_branch(
-    reverted: pytest.MonkeyPatch,
-) -> None:
-    """The differential workload drives every branch of the multi-token fast path (the
-    parity checks above then hold on each): outputs cut from the snapshot, read back
-    after a prefix hit, none; a buffered tail filled and completed or not; full blocks
-    as snapshot views; a new tail for the rest; and requests left to upstream."""
-    _apply("batched_commit")
-    seen: Counter[str] = Counter()
-    original = batched_commit._select_multi
-
-    def recording(connector: Any, ids: list[str], positions: list[int], *args: Any) -> Any:
-        qsl = args[0][0]
-        block = connector._buffer.block_size
-        before = {}
-        for j in positions:
-            tail = connector._buffer._requests.get(ids[j])
-            before[j] = None if tail is None else tail.length
-        result = original(connector, ids, positions, *args)
-        seen["direct"] += len(result.direct)
-        seen["materialise"] += len(result.materialise)
-        seen["no_output"] += len(result.at) - len(result.direct) - len(result.materialise)
-        seen["fallback"] += len(result.fallback)
-        for j in result.at:
-            count, length = int(qsl[j + 1] - qsl[j]), before[j]
-            rest = count if length is None else count - min(count, block - length)
-            if length is not None:
-                seen["tail_completed" if length + count >= block else "tail_partial"] += 1
-            seen["full_blocks"] += rest >= block
-            seen["new_tail"] += (length is None or length + count >= block) and rest % block > 0
-        return result
-
-    reverted.setattr(batched_commit, "_select_multi", recording)
-    _run(range(0, 12))
-    expected = (
-        "direct",
-        "materialise",
-        "no_output",
-        "fallback",
-        "tail_completed",
-        "tail_partial",
-        "full_blocks",
-        "new_tail",
-    )
-    assert all(seen[name] for name in expected), seen
 
 
 def _gap_step(reference: bool, case: str) -> tuple[Any, Any]:
@@ -425,9 +374,9 @@ def _gap_step(reference: bool, case: str) -> tuple[Any, Any]:
 def test_a_capture_upstream_refuses_goes_to_upstream(
     reverted: pytest.MonkeyPatch, case: str
 ) -> None:
-    """A multi-token capture that is not contiguous with its tail, starts unaligned
-    without one, or needs a slot the buffer lacks is left to upstream's loop, which
-    raises its own assertion (counted as ``multi_token_tail``)."""
+    """A decode ahead of a chunk upstream's capture refuses (not contiguous with its
+    tail, unaligned without one, or needing a slot the buffer lacks): the decode is
+    committed here, the chunk by upstream's loop, which raises its own assertion."""
     expected = _gap_step(reference=True, case=case)
     assert expected[0] is not None and expected[0][0] == "AssertionError", expected
     _apply("batched_commit")
@@ -438,8 +387,8 @@ def test_a_capture_upstream_refuses_goes_to_upstream(
         assert counts["fallback_reasons"] == {"step": 2}, counts
         assert counts["fast_requests"] == 0, counts
         return
-    assert counts["fallback_reasons"] == {"multi_token_tail": 1}, counts
-    assert counts["fast_requests"] == 1 and counts["fast_multi_token"] == 0, counts
+    assert counts["fallback_reasons"] == {"multi_token": 1}, counts
+    assert counts["fast_requests"] == 1, counts
 
 
 def _declared_connector() -> Any:
@@ -453,47 +402,21 @@ def _declared_connector() -> Any:
     return connector
 
 
-def _uncached_answer(connector: Any) -> bool:
-    """What ``_packing_in_force`` answered before it was cached: the walk every step."""
-    import inspect
-
-    from prime_r3 import state
-    from prime_r3.packed import reader_declared
-
-    attr = inspect.getattr_static(type(connector), "process_output", None)
-    return "packed_outputs" in state.wrapped_by(attr) and reader_declared(connector._step_metadata)
-
-
-def test_packing_answer_is_cached_and_never_stale(reverted: pytest.MonkeyPatch) -> None:
-    """``_packing_in_force`` walks the records once, then answers from its cache (before:
-    ``state.wrapped_by`` every step); the answer follows apply, revert, a foreign wrapper
-    around ours, and a layer made a pass-through, each time equal to the uncached walk."""
+def test_packing_answer_follows_the_layers(reverted: pytest.MonkeyPatch) -> None:
+    """``_packing_in_force`` answers from the layers on ``process_output`` as they are at
+    the step: it follows apply, revert, a foreign wrapper around ours, and a layer made
+    a pass-through."""
     from prime_r3 import state
 
-    walks = Counter[str]()
-    wrapped_by = state.wrapped_by
-
-    def counting(obj: Any) -> tuple[str, ...]:
-        walks["wrapped_by"] += 1
-        return wrapped_by(obj)
-
-    reverted.setattr(state, "wrapped_by", counting)
-    batched_commit._PACKING_WRAPS.clear()
     connector = _declared_connector()
     cls = aux_worker.AuxOutputWorkerConnector
 
     def check(expected: bool) -> None:
         assert batched_commit._packing_in_force(connector) is expected
-        assert _uncached_answer(connector) is expected
 
     check(False)  # nothing applied
     _apply("packed_outputs", "batched_commit")
     check(True)
-    walks.clear()
-    for _ in range(5):
-        assert batched_commit._packing_in_force(connector) is True
-    assert walks["wrapped_by"] == 0, walks  # answered from the cache
-
     prime_r3.revert(["packed_outputs"])
     check(False)
     _apply("packed_outputs")
@@ -514,28 +437,10 @@ def test_packing_answer_is_cached_and_never_stale(reverted: pytest.MonkeyPatch) 
     del state._inert["packed_outputs"]
     check(True)
 
-    batched_commit._PACKING_WRAPS.clear()
     prime_r3.revert()
     check(False)
 
 
-def test_packing_cache_keeps_no_reverted_wrapper_alive(reverted: pytest.MonkeyPatch) -> None:
-    """The cache holds its layers by weak reference: after a revert, the wrapper it saw
-    is freed (upstream's class no longer holds it, so neither may we)."""
-    import gc
-    import weakref
-
-    _apply("packed_outputs", "batched_commit")
-    connector = _declared_connector()
-    assert batched_commit._packing_in_force(connector) is True
-    layer = weakref.ref(aux_worker.AuxOutputWorkerConnector.__dict__["process_output"])
-    prime_r3.revert()
-    gc.collect()
-    assert layer() is None
-
-
-#: The "D"/"A"/"B" requests of ``_slot_step`` and ``_short_publication_step``: worker
-#: cursors (capture, scheduled, emit), rows in the step, token start.
 _DAB_SHAPE = harness.Shape(block=4, token_shape=(3, 2), dtype=np.uint16)
 _DAB_CURSORS = {"D": (4, 4, 4), "A": (0, 0, 0), "B": (None, 0, 0)}
 _DAB_SIZE = {"D": 1, "A": 7, "B": 6}
@@ -574,8 +479,8 @@ def _dab_pending(connector: Any, order: str) -> Any:
 
 def _slot_step(reference: bool, order: str) -> tuple[Any, ...]:
     """One step in which several requests start a new buffer tail, in batch order
-    ``order``: "D" a decode (the fast path), "A" drafts with one rejected (upstream's
-    fallback), "B" a 6-token prompt (the multi-token fast path). Returns the outputs and
+    ``order``: "D" a decode (the fast path), "A" drafts with one rejected and "B" a
+    6-token prompt (both upstream's fallback). Returns the outputs and
     the buffer's slot bookkeeping: which slot each tail holds (with its rows), the free
     list in pop order, the owned slots with their blocks' bytes."""
     connector = harness.make_connector(_DAB_SHAPE, reference)
@@ -597,19 +502,16 @@ def _slot_step(reference: bool, order: str) -> tuple[Any, ...]:
 @pytest.mark.parametrize("order", ["DAB", "BD", "AD", "BAD"])
 def test_new_tails_get_upstreams_slots(reverted: pytest.MonkeyPatch, order: str) -> None:
     """Upstream's loop pops a free slot for each new tail in batch order; the fast path
-    popped the decodes' first, then the multi-token requests', then upstream's fallback
-    its own, so a prefill or a partly rejected draft ahead of a request on a faster path
-    got another slot than upstream gives it (and from then on every release order, free
-    list and slot reuse differed). Found by review: "DAB" (fallback ahead of a multi-token
-    request) came with the multi-token path; "AD" and "BD" (ahead of a decode) were
-    already so when every multi-token request went to upstream."""
+    pops the decodes' first, then upstream's fallback its own, so a prefill or a partly
+    rejected draft ahead of a decode got another slot than upstream gives it (and from
+    then on every release order, free list and slot reuse differed). Found by review."""
     expected = _slot_step(reference=True, order=order)
     assert len({tail[0] for tail in expected[1].values()}) == len(order)  # each a new tail
     _apply("batched_commit")
     batched_commit.COUNTERS.reset()
     assert _slot_step(reference=False, order=order) == expected
     counts = batched_commit.COUNTERS.snapshot()
-    assert counts["fast_requests"] == len(order) - order.count("A"), counts
+    assert counts["fast_requests"] == order.count("D"), counts
 
 
 def _process_and_close(connector: Any, pending: Any) -> tuple[Any, Any]:
@@ -656,8 +558,7 @@ def test_a_decode_on_a_tail_upstream_refuses_goes_to_upstream(
 ) -> None:
     """A tail that ends at the token start but does not start on its block boundary (or
     holds a whole block) makes upstream's ``_tail`` assert; the decode fast path only
-    checked that the tail ends at the token start and committed it (found by review; the
-    multi-token path already checked both)."""
+    checked that the tail ends at the token start and committed it (found by review)."""
     expected = _tail_step(reference=True, block_start=block_start, length=length)
     assert expected[0] is not None and "skipped an incomplete block" in expected[0][1]
     _apply("batched_commit")
@@ -668,8 +569,8 @@ def test_a_decode_on_a_tail_upstream_refuses_goes_to_upstream(
 
 def _failing_step(reference: bool, raising: str) -> tuple[Any, Any, Any]:
     """A step "A B X D P": decodes "A" (fast) and "B" (a re-attach: upstream's), then
-    "X", a request upstream's loop refuses, then a decode "D" and a 6-token chunk "P"
-    the fast paths would commit. ``raising``: "decode" (capture cursor 2, nothing
+    "X", a request upstream's loop refuses, then a decode "D" the fast path would
+    commit and a 6-token chunk "P". ``raising``: "decode" (capture cursor 2, nothing
     scheduled past it, token start 5: an unbacked gap) or "prefill" (a 2-token chunk at
     5 with tokens 0-1 buffered: not contiguous). Returns (the error, the worker state
     and the buffer's free list after process_output raised)."""
@@ -707,11 +608,11 @@ def test_an_assertion_leaves_later_requests_as_upstream_does(
     reverted: pytest.MonkeyPatch, raising: str
 ) -> None:
     """Upstream's loop commits the requests ahead of the one it raises on and leaves
-    those after it untouched. The fast paths committed every fast request before
-    upstream's loop ran, so "D" (a decode) and "P" (a chunk) after the raising "X" had
-    moved cursors, grown tails and taken buffer slots where upstream's had not (pinned
-    by a strict xfail until the fix: the first request upstream raises on, and all
-    after it, now go to upstream's loop)."""
+    those after it untouched. The fast path committed every fast request before
+    upstream's loop ran, so "D" (a decode) after the raising "X" had moved cursors,
+    grown tails and taken buffer slots where upstream's had not (pinned by a strict
+    xfail until the fix: the first request upstream raises on, and all after it, now go
+    to upstream's loop)."""
     expected = _failing_step(reference=True, raising=raising)
     message = {"decode": "unbacked token gap", "prefill": "skipped an incomplete block"}[raising]
     assert expected[0] is not None and message in expected[0][1], expected
@@ -721,7 +622,9 @@ def test_an_assertion_leaves_later_requests_as_upstream_does(
     assert _failing_step(reference=False, raising=raising) == expected
     counts = batched_commit.COUNTERS.snapshot()
     assert counts["fast_requests"] == 1, counts  # A
-    assert counts["fallback_reasons"][batched_commit.UPSTREAM_RAISES] == 2, counts  # D, P
+    assert counts["fallback_reasons"][batched_commit.UPSTREAM_RAISES] == 1, counts  # D
+    chunks = 1 if raising == "decode" else 2  # P, and X when it is the chunk
+    assert counts["fallback_reasons"]["multi_token"] == chunks, counts
 
 
 def _waiting_block_step(reference: bool) -> tuple[Any, ...]:
@@ -936,7 +839,7 @@ def test_a_publication_that_raises_leaves_upstreams_slots(
     batched_commit.COUNTERS.reset()
     assert _short_publication_step(reference=False, order=order) == expected
     counts = batched_commit.COUNTERS.snapshot()
-    assert counts["fast_requests"] == len(order) - order.count("A"), counts
+    assert counts["fast_requests"] == order.count("D"), counts
 
 
 @pytest.mark.parametrize("free_slots", [None, 5, 9], ids=["roomy", "pool5", "pool9"])
@@ -964,7 +867,7 @@ def test_differential_parity_other_blocks_and_tiny_pools(
         episode = harness.run_episode(seed, 150, shape, async_scheduling=seed % 2 == 1)
         ends[None if episode.dead is None else episode.dead[1]] += 1
     counts = batched_commit.COUNTERS.snapshot()
-    assert counts["fast_requests"] > 0 and counts["fast_multi_token"] > 0, counts
+    assert counts["fast_requests"] > 0 and counts["fallback_reasons"]["multi_token"] > 0, counts
     if free_slots is not None:  # the pool ran dry, and short steps went upstream whole
         assert ends["auxiliary output block pool is exhausted"] > 0, ends
         assert counts["fallback_reasons"].get("step", 0) > 0, counts
@@ -1134,12 +1037,12 @@ def test_the_fast_path_writes_upstreams_types(reverted: pytest.MonkeyPatch) -> N
     """Upstream's loop leaves numpy scalars of the runner's int32 arrays in the cursors
     (``token_start + len(rows)``; scheduled: ``token_start + (end - start)``), in a new
     tail's block start and in each output's ``token_start`` (the emit cursor it
-    replaces); the fast paths wrote Python ints. Values were equal, but a pickled step
+    replaces); the fast path wrote Python ints. Values were equal, but a pickled step
     was another (issue 27, item 5: 314 vs 408 bytes), and so were pickled states."""
     expected = _two_decode_steps(reference=True)
     _apply("batched_commit")
     batched_commit.COUNTERS.reset()
     got = _two_decode_steps(reference=False)
-    assert batched_commit.COUNTERS.snapshot()["fast_requests"] == 5  # all of them
+    assert batched_commit.COUNTERS.snapshot()["fast_requests"] == 4  # all but "c"
     assert [len(step) for step in got[0]] == [len(step) for step in expected[0]]
     assert got == expected

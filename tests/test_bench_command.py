@@ -255,31 +255,29 @@ def test_withheld_packed_steps_are_listed_by_reason() -> None:
 
     counters = handshake_counters()
     counters.declared_steps = 7
-    for reason in ("take_output", "take_output", "metadata"):
+    for reason in ("take_output", "take_output", "engine_step"):
         counters.add("withheld_reasons", reason, total="withheld_steps")
     results = {"r3_upstream": {"handshake": None}, "r3_prime": {"handshake": counters.snapshot()}}
     assert command._fast_path_lines(results).splitlines() == [
         "fast path vs upstream (first round, measured window):",
         "  r3_prime packed_outputs: 7 steps declared packed / 3 withheld "
-        "(metadata 1, take_output 2)",
+        "(engine_step 1, take_output 2)",
     ]
 
 
-def test_batched_commits_multi_token_fast_requests_are_shown() -> None:
-    """batched_commit counts how many of its fast requests had several tokens (prefill
-    chunks); the bench line shows them beside the fast total, from the patch's own
-    counter, and a patch without that count keeps the plain line."""
-    from prime_r3.fixes.batched_commit import CommitCounters, Counters
+def test_fast_path_counts_are_listed_by_patch() -> None:
+    """Each counting patch's line: fast requests, upstream's requests and their reasons,
+    from the patch's own counter (as an arm's run snapshots it)."""
+    from prime_r3.fixes.batched_commit import Counters
 
-    commit, other = CommitCounters(), Counters()
-    commit.add(5, {}, multi_token=2)
-    commit.add(3, {"multi_token_mixed": 1})
+    commit, other = Counters(), Counters()
+    commit.add(5, {})
+    commit.add(3, {"multi_token": 1})
     other.add(4, {"not_packed": 2})
     fast_path = {"batched_commit": commit.snapshot(), "batched_take": other.snapshot()}
     results = {"r3_prime": {"handshake": None, "fast_path": fast_path}}
     assert command._fast_path_lines(results).splitlines() == [
         "fast path vs upstream (first round, measured window):",
-        "  r3_prime batched_commit: 8 fast (2 multi-token) / 1 upstream requests over 2 steps "
-        "(multi_token_mixed 1)",
+        "  r3_prime batched_commit: 8 fast / 1 upstream requests over 2 steps (multi_token 1)",
         "  r3_prime batched_take: 4 fast / 2 upstream requests over 1 steps (not_packed 2)",
     ]

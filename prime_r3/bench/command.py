@@ -346,10 +346,8 @@ def _fast_path_lines(results: dict[str, dict[str, Any]]) -> str:
             )
         for patch, c in (result.get("fast_path") or {}).items():
             reasons = ", ".join(f"{k} {v}" for k, v in sorted(c["fallback_reasons"].items()) if v)
-            # batched_commit: how many of its fast requests had several tokens (prefills).
-            multi = f" ({c['fast_multi_token']} multi-token)" if "fast_multi_token" in c else ""
             lines.append(
-                f"  {arm} {patch}: {c['fast_requests']} fast{multi} / {c['fallback_requests']} "
+                f"  {arm} {patch}: {c['fast_requests']} fast / {c['fallback_requests']} "
                 f"upstream requests over {c['steps']} steps ({reasons or 'no fallback'})"
             )
     return (

@@ -25,35 +25,27 @@ slots, completion of a full tail exactly as ``capture`` does it (the slot moves 
 step's output is built directly from the snapshot: one ``take`` of the fast rows into a
 ``PackedAuxOutputs`` when ``packed_outputs`` is in force in this process, else
 upstream's dict of ``AuxRequestOutput`` views, each starting at the emit cursor object
-it replaced. ``select_reference`` is the plain form of which decodes are fast.
+it replaced.
 
-Multi-token requests (prefill chunks, drafts with nothing rejected) whose capture is
-plain are fast too (``_select_multi``: first capture or cursor at the token start, the
-rows continue the buffered tail or start aligned, a free slot): upstream's loop body on
-its objects, calling the buffer's own (upstream's) ``capture``, and an output read back
-from the store/tail after the step's one publication (a prefix hit) only when no
-request of the step goes to upstream, so every read-back is in upstream's order.
-
-Every other request of the step (speculative-decode rejected suffixes, capture
-rewinds, one-token emits from the store, first one-token captures, gaps upstream
-asserts on, ...) goes through upstream's ``_commit_output`` itself, in the same step, on a
-``PendingAuxOutput`` holding just those requests (``dataclasses.replace``, arrays of the
-step's own dtypes; its rows are a view of the snapshot when they are contiguous, else
-one gather). So does every request from the first one upstream's loop raises on
-(``upstream_raises``: the state lookup, the cursor assertions and ``capture``'s checks,
-read-only) to the end of the step: upstream then raises there, having committed the
-requests before it and none after it, as its own loop does. A step that does not look
-like upstream's contract at all (mismatched lengths, duplicate ids, a token count out of
-range, float token starts or bounds, token starts or bounds that are not numpy arrays,
-a different row profile) goes to upstream whole, so upstream raises; so does a step
-with fewer free buffer slots than requests (where upstream may assert "pool is
-exhausted": at the request it would), a step whose ids are not a list (counted once:
-nothing of it is read before upstream), a step with no fast decode ahead of the first
-request upstream raises on,
-and a step whose buffer's ``capture`` is not upstream's (a subclass's, one set on the
-instance, a wrapper added after apply: counted as ``capture_overridden``), since
-upstream's loop calls ``capture`` through the object and the fast path does what
-upstream's does.
+Every other request of the step (a prefill chunk or drafts: several tokens; a rejected
+or unsampled token; a capture rewind, a one-token emit from the store, a first one-token
+capture, a gap upstream asserts on, ...) goes through upstream's ``_commit_output``
+itself, in the same step, on a ``PendingAuxOutput`` holding just those requests
+(``dataclasses.replace``, arrays of the step's own dtypes; its rows are a view of the
+snapshot when they are contiguous, else one gather). So does every request from the
+first one upstream's loop raises on (``upstream_raises``: the state lookup, the cursor
+assertions and ``capture``'s checks, read-only) to the end of the step: upstream then
+raises there, having committed the requests before it and none after it, as its own
+loop does. A step that does not look like upstream's contract at all (mismatched
+lengths, duplicate ids, a token count out of range, float token starts or bounds, token
+starts or bounds that are not numpy arrays, a different row profile) goes to upstream
+whole, so upstream raises; so does a step with fewer free buffer slots than requests
+(where upstream may assert "pool is exhausted": at the request it would), a step whose
+ids are not a list (counted once: nothing of it is read before upstream), a step with
+no fast decode ahead of the first request upstream raises on, and a step whose
+buffer's ``capture`` is not upstream's (a subclass's, one set on the instance, a wrapper
+added after apply: counted as ``capture_overridden``), since upstream's loop calls
+``capture`` through the object and the fast path does what upstream's does.
 
 Differences from upstream, and why they are not observable:
 
@@ -62,8 +54,8 @@ Differences from upstream, and why they are not observable:
   before any emit reads the store. With fallback requests in the step, the fast
   requests' ``(state, completed)`` pairs are merged into the fallback's own single
   ``_publish_blocks`` call, in batch order (``_one_publication``): the same one put.
-* Dict order: direct outputs in batch order, then outputs materialised from the store
-  or buffer (as upstream's), since upstream's order is kept.
+* Dict order: direct outputs in batch order, then the fallback's outputs read back
+  from the store or buffer, in upstream's order.
 * Buffer slots: fast requests' new tails pop their slots before the fallback
   requests' (upstream: in batch order); once all captures are in (before the
   publication, or when upstream's loop raised), each new tail is given the slot
@@ -75,17 +67,20 @@ Differences from upstream, and why they are not observable:
   of the step's snapshot (``_view_of_step``), so they keep alive what upstream's keep.
 
 Counters (``COUNTERS``) say which requests were ours and which upstream's, by reason.
+
+Why this module is long: the fast path must leave exactly the state upstream's loop
+leaves, so each of upstream's effects is a rule here (the cursor and tail values and
+their types, a full tail's slot, the one publication shared with the fallback, new
+tails' slots in batch order, upstream's error at upstream's request, fallback outputs
+as views of the snapshot), besides the packed output built without a per-request object.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import inspect
-import logging
 import operator
-import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -108,8 +103,6 @@ from prime_r3.fixes.aux_output import ROUTED_EXPERTS_MODULE as _ROUTED_EXPERTS
 from prime_r3.fixes.aux_output import WORKER_MODULE as _WORKER
 from prime_r3.spec import Anchor, PatchSpec, Process, Target, WrapperFn
 
-logger = logging.getLogger("vllm.prime_r3")
-
 
 class Counters:
     """How many requests the fast path committed and how many went to upstream, by reason.
@@ -118,9 +111,11 @@ class Counters:
     the bench and the tests read. batched_commit's reasons for one-token requests:
     ``rejected``, ``not_sampled``, ``cursor`` (capture/emit cursor not at the token
     start: rewind, store emit, prompt start, first capture, no state), ``tail`` (not
-    contiguous with the buffered tail, unaligned new block); for multi-token ones the
-    ``multi_token_*`` reasons of ``_select_multi``; ``step`` (the whole step went to
-    upstream: no fast decode, a malformed step, fewer free buffer slots than requests).
+    contiguous with the buffered tail, unaligned new block), ``upstream_raises`` (upstream's
+    loop raises on it or on a request before it); ``multi_token`` for a request of
+    several tokens (a prefill chunk, drafts); ``step`` (the whole step went to upstream:
+    no fast decode, a malformed step, fewer free buffer slots than requests);
+    ``capture_overridden`` (the buffer's ``capture`` is not upstream's).
     """
 
     def __init__(self) -> None:
@@ -158,29 +153,7 @@ class Counters:
             }
 
 
-class CommitCounters(Counters):
-    """batched_commit's counters: also how many of the fast requests had more than one
-    token (prefill chunks, drafts with nothing rejected: ``fast_multi_token``)."""
-
-    def reset(self) -> None:
-        super().reset()
-        with self._lock:
-            self.fast_multi_token = 0
-
-    def add(self, fast: int, reasons: Mapping[str, int], multi_token: int = 0) -> None:
-        super().add(fast, reasons)
-        if multi_token:
-            with self._lock:
-                self.fast_multi_token += multi_token
-
-    def snapshot(self) -> dict[str, Any]:
-        snapshot = super().snapshot()
-        with self._lock:
-            snapshot["fast_multi_token"] = self.fast_multi_token
-        return snapshot
-
-
-COUNTERS = CommitCounters()
+COUNTERS = Counters()
 
 
 def _root(array: Any) -> Any:
@@ -192,9 +165,10 @@ def _root(array: Any) -> Any:
 
 
 def _packing_in_force(connector: Any) -> bool:
-    """Whether this step is sent packed: packed_outputs wraps process_output here **and**
-    EngineCore declared, in this step's connector metadata, that it reads the packed
-    format (``prime_r3.packed.reader_declared``, the packed_outputs handshake).
+    """Whether this step is sent packed: EngineCore declared, in this step's connector
+    metadata, that it reads the packed format (``prime_r3.packed.reader_declared``, the
+    packed_outputs handshake) **and** packed_outputs' wrapper is in force among ours on
+    the connector class's ``process_output`` (another patch may stack there).
 
     The fast path then builds the ``PackedAuxOutputs`` directly; otherwise it returns
     upstream's dict, exactly as packed_outputs' own wrapper decides, so an EngineCore
@@ -203,102 +177,10 @@ def _packing_in_force(connector: Any) -> bool:
     """
     from prime_r3.packed import reader_declared
 
-    # packed_outputs' wrapper among ours on process_output (another patch may stack there).
-    return _PACKING_WRAPS.packed(type(connector)) and reader_declared(
-        getattr(connector, "_step_metadata", None)
-    )
-
-
-_EMPTY: dict[str, Any] = {}
-
-
-class _PackingWraps:
-    """``"packed_outputs" in state.wrapped_by(<the class's process_output>)``, cached.
-
-    ``wrapped_by`` finds each layer by identity in every patch's records (no lock, by
-    design), a walk per step otherwise. The answer depends only on the
-    class attribute and on the records of the layers the walk passes, so it is kept with
-    that walk: per layer, its patch and key, whether it was in force and whether a
-    pass-through, and what lies under it (``state._under``: a plain layer's recorded
-    inner, a wrapt layer's live ``__wrapped__``). Each call checks, in a few dict
-    lookups, that the class attribute is the same object and every one of those still
-    holds; anything else (apply, revert, a patch stacked or removed, a layer made a
-    pass-through or dropped, a foreign wrapper around or under ours, a re-pointed
-    ``__wrapped__``) walks again. The object the walk stopped at was no record's: the
-    layer records only wrappers it has just built, so an existing object never becomes
-    ours. Everything is held by weak reference (nothing kept alive past a revert);
-    objects that refuse one are not cached. One entry (one connector class per process).
-    """
-
-    def __init__(self) -> None:
-        self._entry: tuple[Any, ...] | None = None
-
-    def packed(self, cls: type) -> bool:
-        attr = cls.__dict__.get("process_output", _EMPTY)
-        if attr is _EMPTY:  # inherited: not the connector class itself, do not cache
-            return "packed_outputs" in prime_state.wrapped_by(
-                inspect.getattr_static(cls, "process_output", None)
-            )
-        entry = self._entry
-        if entry is not None and entry[0]() is attr and _links_hold(entry[1]):
-            return entry[2]
-        return self._walk(attr)
-
-    def _walk(self, attr: Any) -> bool:
-        import weakref
-
-        links = []
-        obj = attr
-        while len(links) < prime_state._MAX_LAYERS:
-            where = prime_state._find_any(obj)
-            if where is None:
-                break
-            name, key = where
-            below = prime_state._under(name, key, obj)
-            links.append(
-                (
-                    name,
-                    key,
-                    obj,
-                    below,
-                    prime_state._active.get(name, _EMPTY).get(key) is obj,
-                    prime_state._inert.get(name, _EMPTY).get(key) is obj,
-                )
-            )
-            obj = below
-        answer = any(name == "packed_outputs" for name, *_, inert in links if not inert)
-        if answer != ("packed_outputs" in prime_state.wrapped_by(attr)):
-            return "packed_outputs" in prime_state.wrapped_by(attr)  # changing right now
-        try:
-            held = tuple(
-                (name, key, weakref.ref(layer), weakref.ref(below), active, inert)
-                for name, key, layer, below, active, inert in links
-            )
-            self._entry = (weakref.ref(attr), held, answer)
-        except TypeError:  # an object without weak references: not cached
-            self._entry = None
-        return answer
-
-    def clear(self) -> None:
-        self._entry = None
-
-
-def _links_hold(links: tuple[Any, ...]) -> bool:
-    """Whether every layer of a cached walk is still recorded as it was, over the same
-    object (see ``_PackingWraps``)."""
-    for name, key, layer_ref, below_ref, active, inert in links:
-        layer = layer_ref()
-        if (
-            layer is None
-            or (prime_state._active.get(name, _EMPTY).get(key) is layer) is not active
-            or (prime_state._inert.get(name, _EMPTY).get(key) is layer) is not inert
-            or prime_state._under(name, key, layer) is not below_ref()
-        ):
-            return False
-    return True
-
-
-_PACKING_WRAPS = _PackingWraps()
+    if not reader_declared(getattr(connector, "_step_metadata", None)):
+        return False
+    process_output = inspect.getattr_static(type(connector), "process_output", None)
+    return "packed_outputs" in prime_state.wrapped_by(process_output)
 
 
 #: The reason counted for a step whose buffer's ``capture`` is not upstream's.
@@ -347,7 +229,7 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
 
     def batched_commit(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
         pending = args[0] if args else kwargs.get("pending")
-        if instance is None or pending is None:
+        if pending is None:  # a call without a step: upstream's error
             return _upstream_step(wrapped, args, kwargs, pending)
         why = _whole_step_reason(instance, pending, capture)
         if why is not None:
@@ -403,7 +285,7 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
         )
         if selected is None:
             return _upstream_step(wrapped, args, kwargs, pending)
-        fast, fallback, stop = selected.fast, selected.fallback, selected.stop
+        fast, fallback = selected.fast, selected.fallback
         created = selected.created
         published, published_at = selected.published, selected.published_at
         decode_created = len(created)  # in batch order among themselves
@@ -414,55 +296,29 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
             fast_rows = qsl[fast]
         buffer_rows[selected.slots, selected.in_block] = _rows_at(rows, fast_rows)
 
-        multi: _Multi | None = None
         if len(fast) + len(fallback) != n:
+            # Every other request is upstream's: a rejected or unsampled token, or
+            # several tokens (a prefill chunk, drafts: multi_token).
             not_decode = ~decode
             single = not_decode & (num_tokens == 1)
-            if single.any():
-                some_rejected = int((single & (rejected != 0)).sum())
-                not_sampled = int((single & (rejected == 0) & (sampled <= 0)).sum())
-                if some_rejected:  # no zero entries in the counters' reasons
-                    reasons["rejected"] += some_rejected
-                if not_sampled:
-                    reasons["not_sampled"] += not_sampled
-                fallback.extend(np.flatnonzero(single).tolist())
-            several = np.flatnonzero(not_decode & (num_tokens > 1)).tolist()
-            if several and several[-1] > stop:  # after a request upstream raises on
-                # (the one at ``stop`` gets its own reason: _select_multi refuses it)
-                after = [j for j in several if j > stop]
-                reasons[UPSTREAM_RAISES] += len(after)
-                fallback.extend(after)
-                several = several[: len(several) - len(after)]
-            if several:
-                multi = _select_multi(
-                    instance,
-                    ids,
-                    several,
-                    _Step(step_qsl, token_starts, sampled, rejected, rows),
-                    bool(fallback),
-                    reasons,
-                    (AuxRequestOutput, _RequestTail),
-                )
-                fallback.extend(multi.fallback)
-                created.extend(multi.created)
-                if multi.at:  # their (state, completed) pairs join the publication
-                    published_at, published = _merge_pairs(
-                        published_at, published, multi.at, multi.pairs
-                    )
+            counts = (
+                ("rejected", single & (rejected != 0)),
+                ("not_sampled", single & (rejected == 0) & (sampled <= 0)),
+                ("multi_token", not_decode & (num_tokens > 1)),
+            )
+            for reason, which in counts:
+                count = int(which.sum())
+                if count:  # no zero entries in the counters' reasons
+                    reasons[reason] += count
+            fallback.extend(np.flatnonzero(not_decode).tolist())
             fallback.sort()
-        fast_multi = 0 if multi is None else len(multi.at)
-        COUNTERS.add(len(fast) + fast_multi, reasons, multi_token=fast_multi)
+        COUNTERS.add(len(fast), reasons)
 
         direct: list[tuple[int, str, Any]] = []
         materialised: list[tuple[str, Any]] = []
         if not fallback:
-            if len(created) > max(decode_created, 1):  # tails from more than the decodes
-                _slots_in_batch_order(instance._buffer, created)
             if published:  # upstream's own publication, same pairs, batch order
                 instance._publish_blocks(published)
-            if multi is not None and multi.materialise:
-                # After the one publication, in batch order, as upstream's loop does.
-                materialised = _materialise(instance, multi.materialise, AuxRequestOutput)
         else:
             sub, sub_rows = _sub_step(pending, fallback, qsl, num_tokens, token_starts)
             sub_root = _root(sub_rows)
@@ -479,7 +335,7 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
                     tail = tails.get(request_id)
                     if tail is not None and tail is not old:
                         created.append((j, tail))
-                if len(created) > max(decode_created, 1):
+                if decode_created and len(created) > decode_created:
                     _slots_in_batch_order(instance._buffer, created)
 
             try:
@@ -491,8 +347,6 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
                 if not ordered:
                     order_slots()
                 raise
-            if not ordered:  # upstream returned without publishing (not upstream's code)
-                order_slots()
             gathered = sub_root is not _root(rows)  # sub_rows is a copy (non-contiguous)
             for request_id, output in sub_outputs.items():
                 value_rows = output.rows
@@ -503,12 +357,6 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
                     direct.append((j, request_id, output))
                 else:
                     materialised.append((request_id, output))
-        if multi is not None and multi.direct:
-            direct = (
-                sorted(direct + multi.direct, key=operator.itemgetter(0))
-                if direct
-                else multi.direct
-            )
 
         if _packing_in_force(instance):
             return _packed(
@@ -575,9 +423,6 @@ class _Decodes(NamedTuple):
     created: list[tuple[int, Any]]
     #: Each fast request's emit cursor before the step (its output's ``token_start``).
     emits: list[Any]
-    #: The first position upstream's loop raises on (``n``: none); it and every request
-    #: after it are upstream's.
-    stop: int
 
 
 def upstream_raises(connector: Any, request_id: Any, token_start: int, num_rows: int) -> bool:
@@ -650,48 +495,6 @@ def _first_raising(
     return len(ids)
 
 
-def select_reference(
-    connector: Any, ids: list[str], token_starts: np.ndarray, decode: np.ndarray
-) -> tuple[list[int], list[int]]:
-    """The reference form of ``_select``'s choice, read-only: upstream's loop over the
-    step, in batch order, asking of each one-token decode candidate whether its commit
-    is the plain one (both cursors at the token start; the row continues the buffered
-    tail, or starts an aligned block with no tail), and stopping at the first request
-    upstream raises on. Returns (fast, fallback) candidate positions; every candidate
-    after a raising one is fallback. (``_select`` also requires a free buffer slot per
-    request of the step, and returns None when nothing is fast.)"""
-    block_size = connector._buffer.block_size
-    fast: list[int] = []
-    fallback: list[int] = []
-    stopped = False
-    for j, request_id in enumerate(ids):
-        start = int(token_starts[j])
-        if stopped:
-            if decode[j]:
-                fallback.append(j)
-            continue
-        if not decode[j]:
-            continue  # the multi-token and other requests are checked before the loop
-        state = connector._requests.get(request_id)
-        tail = connector._buffer._requests.get(request_id)
-        local = start % block_size
-        plain = (
-            state is not None
-            and state.capture_cursor == start
-            and state.emit_cursor == start
-            and (
-                (tail is None and local == 0)
-                or (tail is not None and tail.length == local and tail.block_start == start - local)
-            )
-        )
-        if plain:
-            fast.append(j)
-            continue
-        fallback.append(j)
-        stopped = upstream_raises(connector, request_id, start, 1)
-    return fast, fallback
-
-
 def _select(
     connector: Any,
     ids: list[str],
@@ -703,8 +506,8 @@ def _select(
     stop: int,
 ) -> _Decodes | None:
     """Find the fast decodes before ``stop`` and apply upstream's capture bookkeeping to
-    them (``select_reference`` is the plain form of the choice), or None when no request
-    is fast (nothing was touched: the step goes to upstream whole).
+    them, or None when no request is fast (nothing was touched: the step goes to
+    upstream whole).
 
     One pass over the candidates, each reading its state and tail once and, when they
     pass, writing them right away: what decides a request is its own state and tail
@@ -837,208 +640,25 @@ def _select(
         fast = list(cand)
     slot_index = np.fromiter(slots, np.int64, k)
     in_block = start_array.astype(np.int64) % block_size
-    return _Decodes(
-        fast, fallback, slot_index, in_block, published, published_at, created, emits, stop
-    )
-
-
-@dataclasses.dataclass
-class _Multi:
-    """What ``_select_multi`` did to a step's multi-token requests (batch positions)."""
-
-    #: Committed here, in batch order, with their ``(state, completed)`` pairs.
-    at: list[int]
-    pairs: list[Any]
-    #: Outputs cut from the snapshot, as (position, request id, AuxRequestOutput).
-    direct: list[tuple[int, str, Any]]
-    #: (request id, emit start, token end) to read back after the publication.
-    materialise: list[tuple[str, Any, Any]]
-    #: Left to upstream's ``_commit_output``.
-    fallback: list[int]
-    #: New buffer tails, as (position, tail), in the order their slots were popped.
-    created: list[tuple[int, Any]]
-
-
-class _Step(NamedTuple):
-    """The step's arrays as ``_commit_output`` reads them (the runner's own objects)."""
-
-    query_start_loc: np.ndarray
-    token_starts: np.ndarray
-    num_sampled: np.ndarray
-    num_rejected: np.ndarray
-    routed_experts: np.ndarray
-
-
-class _Emit(enum.Enum):
-    """What ``_commit_output`` does with a committed request's output."""
-
-    NONE = "none"  # nothing sampled, or the emit cursor past the captured rows
-    CUT = "cut"  # a view of the captured rows, from the emit cursor on
-    READ_BACK = "read_back"  # starts before the capture: read back after the publication
-
-
-class _Chosen(NamedTuple):
-    """A multi-token request ``_select_multi`` commits (before its slots are counted)."""
-
-    position: int
-    state: Any
-    tail: Any
-    token_start: int
-    start: int  # its rows are routed_experts[start:end]
-    end: int
-    emit: _Emit
-
-
-def _select_multi(
-    connector: Any,
-    ids: list[str],
-    positions: list[int],
-    step: _Step,
-    other_fallback: bool,
-    reasons: Counter[str],
-    classes: tuple[Any, Any],
-) -> _Multi:
-    """Commit the multi-token requests at ``positions`` (a prefill chunk, or drafts with
-    nothing rejected) exactly as upstream's loop body does, or leave them to upstream.
-
-    Covered: a known state whose capture cursor is unset (first capture) or at the token
-    start, nothing rejected, and a capture ``RoutedExpertsBuffer.capture`` accepts (the
-    buffered tail ends at the token start, or there is none and the start is aligned; a
-    free slot for a new tail). Then the loop body itself runs on upstream's objects: the
-    buffer's own ``capture`` (upstream's: ``_whole_step_reason`` checked), the cursors
-    (capture and emit to ``token_start + len(rows)``, scheduled to ``token_start +
-    (end - start)``, in the arrays' own scalar types) and the output: with a token
-    sampled and the emit cursor within reach, a view of the captured rows (emit cursor at
-    or after the token start) or read back after the publication (before it: a prefix
-    hit, upstream's ``materialize_routed_experts``).
-
-    Upstream reads back all such outputs after all requests' captures and the one
-    publication, in batch order, and each read moves the store's LRU: a request that
-    reads back is covered only when no other request of the step goes to upstream
-    (``multi_token_mixed``), so every read happens here, in upstream's order. Reasons for
-    the others: ``multi_token_rejected`` (a rejected suffix), ``multi_token_cursor`` (no
-    state, capture cursor elsewhere: a re-attach or rewind; negative start),
-    ``multi_token_tail`` (not contiguous with the tail, unaligned start without a tail,
-    no free slot).
-    """
-    qsl, token_starts, sampled, rejected, rows = step
-    aux_output, _ = classes
-    buffer = connector._buffer
-    block_size = buffer.block_size
-    tails = buffer._requests
-    free_slots = buffer._free_slots
-    states = connector._requests
-    chosen: list[_Chosen] = []
-    fallback: list[int] = []
-    for j in positions:
-        request_id = ids[j]
-        start, end = int(qsl[j]), int(qsl[j + 1])
-        token_start = int(token_starts[j])
-        if int(rejected[j]):
-            reasons["multi_token_rejected"] += 1
-            fallback.append(j)
-            continue
-        state = states.get(request_id)
-        if (
-            state is None
-            or token_start < 0
-            or (state.capture_cursor is not None and state.capture_cursor != token_start)
-        ):
-            reasons["multi_token_cursor"] += 1
-            fallback.append(j)
-            continue
-        tail = tails.get(request_id)
-        if tail is None:
-            contiguous = token_start % block_size == 0
-        else:
-            contiguous = (
-                tail.block_start + tail.length == token_start
-                and tail.block_start % block_size == 0
-                and 0 <= tail.length < block_size
-            )
-        if not contiguous:
-            reasons["multi_token_tail"] += 1
-            fallback.append(j)
-            continue
-        token_end = token_start + end - start
-        emit_cursor = state.emit_cursor
-        emit = _Emit.NONE
-        if int(sampled[j]) > 0 and emit_cursor <= token_end:
-            emit = _Emit.CUT if emit_cursor >= token_start else _Emit.READ_BACK
-        chosen.append(_Chosen(j, state, tail, token_start, start, end, emit))
-
-    def drop(reason: str, which: Any) -> None:
-        nonlocal chosen
-        keep = []
-        for item in chosen:
-            if which(item):
-                reasons[reason] += 1
-                fallback.append(item.position)
-            else:
-                keep.append(item)
-        chosen = keep
-
-    if other_fallback or fallback:
-        drop("multi_token_mixed", lambda item: item.emit is _Emit.READ_BACK)
-    # A new tail for every capture whose end is not aligned, unless it stays in its tail.
-    slots = len(free_slots)
-    short = False
-    for item in chosen:
-        token_end = item.token_start + item.end - item.start
-        tail = item.tail
-        if token_end % block_size and (tail is None or token_end - tail.block_start >= block_size):
-            slots -= 1
-            if slots < 0:  # upstream would assert; _select sends such a step upstream whole
-                short = True
-    if short:
-        drop("multi_token_tail", lambda item: True)
-    if fallback and chosen:
-        drop("multi_token_mixed", lambda item: item.emit is _Emit.READ_BACK)
-
-    at: list[int] = []
-    pairs: list[Any] = []
-    direct: list[tuple[int, str, Any]] = []
-    materialise: list[tuple[str, Any, Any]] = []
-    created: list[tuple[int, Any]] = []
-    for j, state, tail, _, start, end, emit in chosen:
-        request_id = ids[j]
-        captured = rows[start:end]  # upstream's routed_experts[start : end - rejected]
-        capture_start = token_starts[j]  # the array's scalar, as upstream's zip gives it
-        emit_start = state.emit_cursor
-        completed = buffer.capture(request_id, capture_start, captured)
-        new_tail = tails.get(request_id)
-        if new_tail is not None and new_tail is not tail:
-            created.append((j, new_tail))
-        token_end = capture_start + len(captured)
-        state.capture_cursor = token_end
-        state.scheduled_cursor = capture_start + (qsl[j + 1] - qsl[j])
-        at.append(j)
-        pairs.append((state, completed))
-        if emit is _Emit.CUT:
-            offset = int(emit_start) - int(capture_start)
-            direct.append((j, request_id, aux_output(emit_start, captured[offset:])))
-            state.emit_cursor = token_end
-        elif emit is _Emit.READ_BACK:
-            materialise.append((request_id, emit_start, token_end))
-    return _Multi(at, pairs, direct, materialise, fallback, created)
+    return _Decodes(fast, fallback, slot_index, in_block, published, published_at, created, emits)
 
 
 def _slots_in_batch_order(buffer: Any, created: list[tuple[int, Any]]) -> None:
     """Give the step's new buffer tails the slots upstream's capture gives them.
 
     Upstream's loop pops a free slot for each new tail in batch order; here the fast
-    decode tails pop first, then the multi-token ones, then upstream's fallback pops its
-    own. The same slots leave the free list either way (the top ones, before any
-    ``retain_block`` of the publication), only who holds which differs, and with it
-    every later release order, free-list order and slot reuse. ``created`` lists the
-    step's new tails in pop order (a tail made this step is never completed in the same
-    capture, so each is still buffered): when their batch positions are not already
-    ascending, the i-th tail in batch order gets the i-th slot popped and its rows (its
-    length's worth) move with it. A slot's bytes past its tail's length are a former
-    tenant's here and upstream, not always the same one's: nothing reads them (``read``
-    stays within the length, a tail is completed by writing the rest). Done once all
-    captures are in and before the publication (which reads no new tail's slot), so a
-    publication that raises leaves the tails where upstream's does.
+    decode tails pop first, then upstream's fallback pops its own. The same slots leave
+    the free list either way (the top ones, before any ``retain_block`` of the
+    publication), only who holds which differs, and with it every later release order,
+    free-list order and slot reuse. ``created`` lists the step's new tails in pop order
+    (a tail made this step is never completed in the same capture, so each is still
+    buffered): when their batch positions are not already ascending, the i-th tail in
+    batch order gets the i-th slot popped and its rows (its length's worth) move with it.
+    A slot's bytes past its tail's length are a former tenant's here and upstream, not
+    always the same one's: nothing reads them (``read`` stays within the length, a tail
+    is completed by writing the rest). Done once all captures are in and before the
+    publication (which reads no new tail's slot), so a publication that raises leaves
+    the tails where upstream's does.
     """
     positions = [j for j, _ in created]
     if all(a < b for a, b in zip(positions, positions[1:], strict=False)):
@@ -1050,53 +670,6 @@ def _slots_in_batch_order(buffer: Any, created: list[tuple[int, Any]]) -> None:
     for tail, slot, data in zip(ordered, popped, saved, strict=True):
         tail.slot = slot
         rows[slot, : len(data)] = data
-
-
-def _merge_pairs(
-    at: list[int], pairs: list[Any], more_at: list[int], more: list[Any]
-) -> tuple[list[int], list[Any]]:
-    """Two position-sorted lists of publication pairs as one, in batch order."""
-    if not at:
-        return list(more_at), list(more)
-    merged = sorted(
-        [*zip(at, pairs, strict=True), *zip(more_at, more, strict=True)],
-        key=operator.itemgetter(0),
-    )
-    return [j for j, _ in merged], [pair for _, pair in merged]
-
-
-def _materialise(
-    connector: Any, pending: list[tuple[str, Any, Any]], aux_output: Any
-) -> list[tuple[str, Any]]:
-    """``_commit_output``'s read-back of outputs that start before the capture (after the
-    step's one publication, in batch order): the stored blocks through the worker
-    module's ``materialize_routed_experts`` (looked up per call, as upstream's loop does),
-    then the buffered tail; the emit cursor moves to the token end after each."""
-    buffer = connector._buffer
-    store = connector._store
-    block_size = buffer.block_size
-    materialize = sys.modules[_WORKER].materialize_routed_experts
-    outputs: list[tuple[str, Any]] = []
-    for request_id, emit_start, token_end in pending:
-        state = connector._requests[request_id]
-        stored_end = min(token_end // block_size, len(state.aux_output_keys)) * block_size
-        if emit_start < stored_end:
-            first_block = emit_start // block_size
-            stored = materialize(
-                store,
-                state.aux_output_keys[first_block : stored_end // block_size],
-                shape_per_token=buffer.shape_per_token,
-                dtype=buffer.dtype,
-            )
-            local_start = emit_start % block_size
-            rows = stored[local_start : local_start + stored_end - emit_start]
-            if stored_end < token_end:
-                rows = np.concatenate((rows, buffer.read(request_id, stored_end, token_end)))
-        else:
-            rows = buffer.read(request_id, emit_start, token_end)
-        outputs.append((request_id, aux_output(emit_start, rows)))
-        state.emit_cursor = token_end
-    return outputs
 
 
 @contextlib.contextmanager
@@ -1125,12 +698,7 @@ def _one_publication(
     publish = connector._publish_blocks  # upstream's bound method
 
     def merged(batches: list[Any], *args: Any, **kwargs: Any) -> Any:
-        connector.__dict__.pop("_publish_blocks", None)  # one merge per step
         before()
-        if len(batches) != len(fallback):  # not the call we expect: publish separately
-            if published:
-                publish(published)
-            return publish(batches, *args, **kwargs)
         pairs = sorted(
             [*zip(published_at, published, strict=True), *zip(fallback, batches, strict=True)],
             key=operator.itemgetter(0),
@@ -1367,8 +935,8 @@ _REQUEST_TAIL = frozenset({"81eb99451d75a944"})
 
 SPEC = PatchSpec(
     name="batched_commit",
-    summary="output worker commits the common decode step with array operations, and "
-    "plain multi-token captures; other requests go to upstream's _commit_output in the same step",
+    summary="output worker commits the common decode step with array operations; other "
+    "requests go to upstream's _commit_output in the same step",
     vllm_range=">=0.31,<0.34",
     # Commits in the output worker; the packed output it builds is read in EngineCore.
     processes=frozenset({Process.WORKER, Process.ENGINE_CORE}),

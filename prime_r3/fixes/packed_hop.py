@@ -31,11 +31,10 @@ that reads both forms (``ReadingDecoder``). EngineCore answers it in
 ``_handle_client_request`` as it answers a utility call (``_invoke_utility_method``;
 the reply travels back in order on the output stream) and records the client's index;
 its output thread packs only while **every** client socket it was started with
-(``output_paths``, one per API server) has declared. (It also takes the declaration as
-a utility call ``prime_r3_packed_hop``, which clients of earlier builds of this patch
-send.) So: a client without prime_r3, with ``PRIME_R3=0``, with this patch not selected
-in ``PRIME_R3_PATCHES``, or with a changed ``MPClient`` never declares, and its engine
-sends upstream's bytes to every client (a mixed deployment falls back to upstream).
+(``output_paths``, one per API server) has declared. So: a client without prime_r3,
+with ``PRIME_R3=0``, with this patch not selected in ``PRIME_R3_PATCHES``, or with a
+changed ``MPClient`` never declares, and its engine sends upstream's bytes to every
+client (a mixed deployment falls back to upstream).
 
 Why ``WAKEUP``: an engine without this patch must ignore the declaration without a
 word. Upstream's input thread (``process_input_sockets``, 0.31-0.33) decodes any request
@@ -43,24 +42,15 @@ that is neither ``ADD`` nor ``UTILITY`` with its generic decoder and queues it; 
 ``_handle_client_request`` returns at once for ``WAKEUP`` (the value its own shutdown
 signal handler queues, with ``None``, to wake an idle busy loop), so such an engine
 logs nothing, answers nothing, and sends upstream's messages, which the declared
-client's decoder reads with upstream's own decoder. As a utility call (what this patch
-sent before) the same engine answered with a failure and its ``_invoke_utility_method``
-logged ``Invocation of prime_r3_packed_hop method failed`` at ERROR with a traceback
-(``AttributeError``), once per client at start-up; any other request type is worse
-(``START_DP_WAVE`` starts a wave on a data-parallel engine and is logged as
-unrecognized on another, ``EXECUTOR_FAILED`` stops the engine, an unknown type kills
-its input thread). The cost: the client cannot tell such an engine from one whose
-answer is still on its way, so that declaration's state stays ``sent`` (its future
-waits in ``utility_results``, one per engine, and never resolves) and the client logs
-nothing about it. It could not tell before declaring either: the one thing every engine
-sends it first, the ready message (``EngineCoreReadyResponse``), reaches
-``_apply_ready_response`` without the engine's identity, and announcing support there
-would take two more targets on both ends. A declaration that fails on an engine with
-this patch (another ``FORMAT_VERSION``, an engine shutting down) is answered with a
-failure as before: the client counts it ``declined`` and logs at INFO that the engine
-sends upstream's messages.
-The decision is made per message in the output thread from the engine's
-record, so it holds for every client whatever the order of declarations and steps.
+client's decoder reads with upstream's own decoder. The cost: the client cannot tell
+such an engine from one whose answer is still on its way, so that declaration's state
+stays ``sent`` (its future waits in ``utility_results``, one per engine, and never
+resolves) and the client logs nothing about it. A declaration that fails on an engine
+with this patch (another ``FORMAT_VERSION``, an engine shutting down) is answered with a
+failure: the client counts it ``declined`` and logs at INFO that the engine sends
+upstream's messages. The decision is made per message in the output thread from the
+engine's record, so it holds for every client whatever the order of declarations and
+steps.
 
 The wire form. A packed step is upstream's ``EngineCoreOutputs`` array with
 ``engine_index`` as a 1-tuple and one element more (the packed pair). The tuple is
@@ -80,8 +70,7 @@ gets an array of its own (a copy: a kept output pins its own rows, never the ste
 What differs from upstream's array: upstream's is a view of the ZMQ frame that carried
 it (``OWNDATA`` False, ``base`` the array over the frame), this one owns its data
 (``OWNDATA`` True, ``base`` None); type, dtype, shape, bytes, ``WRITEABLE`` (True in
-both) and C-contiguity are upstream's. Matching ``OWNDATA`` would take a second array
-object per output (a copy, then a view of it).
+both) and C-contiguity are upstream's.
 Counts that do not describe the rows raise a ``ValueError`` naming "packed routed
 experts", which the output loop hands to ``get_output`` as it does a message it cannot
 decode.
@@ -93,6 +82,11 @@ Revert. Reverting in EngineCore makes its encoder upstream's for every client (a
 declared client reads those with upstream's decoder). Reverting in a client stops new
 clients from declaring; a client that declared keeps its reading decoder (its engine
 may already have packed steps in flight to it), so it never drops rows.
+
+Why this module is long: both ends of the hop are here, each in two processes' code
+(EngineCore: the record of declared clients, the packing in the output thread, the
+answer to the declaration; client: the declaration, the reading decoder), and the
+reader must give every output upstream's array and refuse a malformed step by name.
 """
 
 from __future__ import annotations
@@ -118,7 +112,7 @@ _CLIENT = "vllm.v1.engine.core_client"
 _SERIAL = "vllm.v1.serial_utils"
 _ENGINE = "vllm.v1.engine"
 
-#: The utility method a client calls to declare it reads the packed form.
+#: The method name of the declaration a client sends to say it reads the packed form.
 METHOD = "prime_r3_packed_hop"
 #: The packed form this build writes and reads (the declaration's one argument). 2:
 #: ``engine_index`` goes as a 1-tuple, so that upstream's decoder refuses a packed step.
@@ -237,12 +231,9 @@ def _packed_type() -> Any:
         bases=(EngineCoreOutputs,),
         module=__name__,
     )
-
+    # EngineCoreOutputs (an anchor) has engine_index first and at most 14 fields: the
+    # packed step is a msgpack fixarray, whose first byte the reader dispatches on.
     fields = EngineCoreOutputs.__struct_fields__
-    if fields[0] != "engine_index" or packed_type.__struct_fields__[:-1] != fields:
-        raise RuntimeError(f"EngineCoreOutputs' fields are {fields}: engine_index first expected")
-    if len(fields) + 1 > 15:  # the fixarray header the reader dispatches on
-        raise RuntimeError(f"EngineCoreOutputs has {len(fields)} fields; at most 14 expected")
     _types.update(packed=packed_type, head=0x90 + len(fields) + 1, fields=fields)
     return packed_type
 
@@ -358,9 +349,7 @@ def unpack(got: Any) -> Any:
     values = [getattr(got, name) for name in _types["fields"]]
     (values[0],) = values[0]  # engine_index, a 1-tuple in the packed form
     result = EngineCoreOutputs(*values)
-    if packed is None:
-        return result
-    counts, rows = packed
+    counts, rows = packed  # every packed step carries its pair (``pack``)
     outputs = result.outputs
     if counts.ndim != 1 or counts.dtype.kind not in "iu" or not rows.ndim:
         raise ValueError(
@@ -485,7 +474,6 @@ def _is_declaration(request: Any) -> bool:
 def _receive_declaration(params: Mapping[str, Any]) -> Callable[[Callable[..., Any]], Any]:
     from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType, UtilityOutput
 
-    utility = EngineCoreRequestType.UTILITY
     wakeup = EngineCoreRequestType.WAKEUP
 
     def declared(engine: Any, client_idx: int, args: Any) -> int:
@@ -504,12 +492,8 @@ def _receive_declaration(params: Mapping[str, Any]) -> Callable[[Callable[..., A
     def make(upstream: Callable[..., Any]) -> Callable[..., Any]:
         def _handle_client_request(self, request_type, request):  # noqa: ANN001, ANN202
             # The declaration comes as WAKEUP (what upstream's own shutdown signal puts
-            # on the queue with None); as a utility call from a client of an earlier
-            # build of this patch. Anything else is upstream's to handle.
-            if request_type is wakeup:
-                if not _is_declaration(request):
-                    return upstream(self, request_type, request)
-            elif request_type is not utility or request[2] != METHOD:
+            # on the queue with None); anything else is upstream's to handle.
+            if request_type is not wakeup or not _is_declaration(request):
                 return upstream(self, request_type, request)
             client_idx, call_id, method_name, args = request
             if self._reject_utility_in_shutdown(client_idx, call_id, method_name):

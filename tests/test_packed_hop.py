@@ -243,10 +243,11 @@ def test_a_foreign_wrapped_target_is_skipped_with_a_reason(
         layer.revert(["packed_hop"])
 
 
-def test_an_engine_with_the_patch_answers_the_declaration() -> None:
-    """The declaration, as a WAKEUP request: recorded and answered like a utility call.
-    Upstream's own WAKEUP (None) and a WAKEUP with something else stay upstream's: no
-    answer, no record."""
+@pytest.mark.parametrize("kind", ["WAKEUP", "UTILITY"])
+def test_an_engine_with_the_patch_answers_the_declaration(kind: str) -> None:
+    """The declaration as clients of this build send it (WAKEUP) and as earlier ones did
+    (a utility call): recorded and answered like a utility call. Upstream's own WAKEUP
+    (None) and a WAKEUP with something else stay upstream's: no answer, no record."""
     import vllm.v1.engine.core_client  # noqa: F401 - every module of the patch imported
     from vllm.v1.engine import EngineCoreRequestType
 
@@ -263,7 +264,7 @@ def test_an_engine_with_the_patch_answers_the_declaration() -> None:
         handle(EngineCoreRequestType.WAKEUP, None)
         handle(EngineCoreRequestType.WAKEUP, [3, 78, "something else", []])
         assert engine.output_queue.empty() and not packed_hop._record(engine).declared
-        handle(EngineCoreRequestType.WAKEUP, declaration)
+        handle(EngineCoreRequestType[kind], declaration)
         client, outputs = engine.output_queue.get_nowait()
         reply = outputs.utility_output
         assert client == 3 and reply.call_id == 77 and reply.failure_message is None

@@ -932,3 +932,25 @@ def test_an_engine_driving_a_scheduler_first_driven_without_one_is_judged(
     engine = _engine(_overriding_step(EngineCore, "step"), scheduler)
     assert _engine_step(engine, "step") is dict
     assert packed_outputs.COUNTERS.snapshot()["withheld_reasons"] == {"engine_step": 1}
+
+
+def test_metadata_that_takes_no_attribute_withholds(reverted: pytest.MonkeyPatch) -> None:
+    """A release (or a wrapper) whose connector metadata is frozen or slotted cannot carry
+    the declaration: the step is withheld (``metadata``) and the engine runs on with
+    upstream's dict, as it would without the overlay."""
+    import dataclasses
+
+    from vllm.distributed.aux_output_connector import connector as connector_module
+    from vllm.v1.engine.core import EngineCore
+
+    from prime_r3.fixes import packed_outputs
+
+    upstream = connector_module.AuxOutputConnectorMetadata
+    fields = {f.name: f.type for f in dataclasses.fields(upstream)}
+    frozen = dataclasses.make_dataclass("AuxOutputConnectorMetadata", fields, frozen=True)
+    reverted.setattr(connector_module, "AuxOutputConnectorMetadata", frozen)
+    engine = _engine(EngineCore, _fresh_scheduler())
+    prime_r3.apply(["packed_outputs"], log=False)
+    _reset_counters()
+    assert _engine_step(engine, "step") is dict
+    assert packed_outputs.COUNTERS.snapshot()["withheld_reasons"] == {"metadata": 1}

@@ -111,8 +111,8 @@ class Counters:
     the bench and the tests read. batched_commit's reasons for one-token requests:
     ``rejected``, ``not_sampled``, ``cursor`` (capture/emit cursor not at the token
     start: rewind, store emit, prompt start, first capture, no state), ``tail`` (not
-    contiguous with the buffered tail, unaligned new block), ``upstream_raises`` (upstream's
-    loop raises on it or on a request before it); ``multi_token`` for a request of
+    contiguous with the buffered tail, unaligned new block), ``upstream_raises`` (a
+    one-token decode after the request upstream's loop raises on); ``multi_token`` for a request of
     several tokens (a prefill chunk, drafts); ``step`` (the whole step went to upstream:
     no fast decode, a malformed step, fewer free buffer slots than requests);
     ``capture_overridden`` (the buffer's ``capture`` is not upstream's).
@@ -229,7 +229,7 @@ def _batched_commit(params: Mapping[str, Any]) -> WrapperFn:
 
     def batched_commit(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
         pending = args[0] if args else kwargs.get("pending")
-        if pending is None:  # a call without a step: upstream's error
+        if instance is None or pending is None:  # through the class, or no step: upstream's
             return _upstream_step(wrapped, args, kwargs, pending)
         why = _whole_step_reason(instance, pending, capture)
         if why is not None:
@@ -382,8 +382,8 @@ def _pick(items: Any, index: list[int]) -> list[Any]:
     return list(operator.itemgetter(*index)(items))
 
 
-#: The reason counted for a request sent to upstream because upstream's loop raises on
-#: it, or on a request before it in the step.
+#: The reason counted for a one-token decode sent to upstream because upstream's loop
+#: raises on a request before it in the step.
 UPSTREAM_RAISES = "upstream_raises"
 
 
@@ -709,8 +709,8 @@ def _one_publication(
     try:
         yield
     finally:
-        # Upstream raised before publishing (an assertion on a fallback request): like
-        # upstream, nothing of this step is published; the worker's error is fatal.
+        # The instance attribute goes after the call; if upstream raised first (an
+        # assertion on a fallback request), nothing of this step was published, as upstream.
         connector.__dict__.pop("_publish_blocks", None)
 
 

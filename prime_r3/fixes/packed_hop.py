@@ -31,7 +31,9 @@ that reads both forms (``ReadingDecoder``). EngineCore answers it in
 ``_handle_client_request`` as it answers a utility call (``_invoke_utility_method``;
 the reply travels back in order on the output stream) and records the client's index;
 its output thread packs only while **every** client socket it was started with
-(``output_paths``, one per API server) has declared. So: a client without prime_r3,
+(``output_paths``, one per API server) has declared. (It also takes the declaration as
+a utility call ``prime_r3_packed_hop``, which clients of earlier builds of this patch
+send.) So: a client without prime_r3,
 with ``PRIME_R3=0``, with this patch not selected in ``PRIME_R3_PATCHES``, or with a
 changed ``MPClient`` never declares, and its engine sends upstream's bytes to every
 client (a mixed deployment falls back to upstream).
@@ -83,10 +85,10 @@ declared client reads those with upstream's decoder). Reverting in a client stop
 clients from declaring; a client that declared keeps its reading decoder (its engine
 may already have packed steps in flight to it), so it never drops rows.
 
-Why this module is long: both ends of the hop are here, each in two processes' code
-(EngineCore: the record of declared clients, the packing in the output thread, the
-answer to the declaration; client: the declaration, the reading decoder), and the
-reader must give every output upstream's array and refuse a malformed step by name.
+Why this module is long: both ends of the hop are here (EngineCore's: the record of
+declared clients, the packing in the output thread, the answer to the declaration; the
+client's: the declaration, the reading decoder), and the reader must give every output
+upstream's array and refuse a malformed step by name.
 """
 
 from __future__ import annotations
@@ -349,7 +351,9 @@ def unpack(got: Any) -> Any:
     values = [getattr(got, name) for name in _types["fields"]]
     (values[0],) = values[0]  # engine_index, a 1-tuple in the packed form
     result = EngineCoreOutputs(*values)
-    counts, rows = packed  # every packed step carries its pair (``pack``)
+    if packed is None:  # ``pack`` always sends the pair: a foreign sender's step
+        raise ValueError("packed routed experts missing from a packed step")
+    counts, rows = packed
     outputs = result.outputs
     if counts.ndim != 1 or counts.dtype.kind not in "iu" or not rows.ndim:
         raise ValueError(
@@ -475,6 +479,7 @@ def _receive_declaration(params: Mapping[str, Any]) -> Callable[[Callable[..., A
     from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType, UtilityOutput
 
     wakeup = EngineCoreRequestType.WAKEUP
+    utility = EngineCoreRequestType.UTILITY
 
     def declared(engine: Any, client_idx: int, args: Any) -> int:
         version = args[0] if args else None
@@ -492,8 +497,12 @@ def _receive_declaration(params: Mapping[str, Any]) -> Callable[[Callable[..., A
     def make(upstream: Callable[..., Any]) -> Callable[..., Any]:
         def _handle_client_request(self, request_type, request):  # noqa: ANN001, ANN202
             # The declaration comes as WAKEUP (what upstream's own shutdown signal puts
-            # on the queue with None); anything else is upstream's to handle.
-            if request_type is not wakeup or not _is_declaration(request):
+            # on the queue with None); as a utility call from a client of an earlier
+            # build of this patch. Anything else is upstream's to handle.
+            if request_type is wakeup:
+                if not _is_declaration(request):
+                    return upstream(self, request_type, request)
+            elif request_type is not utility or request[2] != METHOD:
                 return upstream(self, request_type, request)
             client_idx, call_id, method_name, args = request
             if self._reject_utility_in_shutdown(client_idx, call_id, method_name):

@@ -77,7 +77,6 @@ capturer's dtype and per-token shape, whether they are views of the step snapsho
 ``buffer.read`` copies or arrays over the store's bytes) pickles as upstream's dict.
 Ray's detach (``ray_utils.detach_zero_copy_from_model_runner_output``) is not an anchor:
 it is gone in 0.33; it was checked by hand in 0.31 and 0.32, and a test runs it.
-
 Why this module is long: the handshake. A worker may pack only for a consumer verified
 to read the packed step, and that consumer (the engine's step method, its scheduler's
 ``update_from_output``, the connector's ``take_output``) is judged at every step against
@@ -149,9 +148,9 @@ def handshake_counters() -> Counts:
     building the step runs another ``step`` / ``step_with_batch_queue`` than vLLM's
     own), ``update_from_output`` (the scheduler consuming the step, the engine's or with
     no engine the one calling ``build_connector_meta``, runs another
-    ``update_from_output`` than vLLM's own ``Scheduler``'s). Written on EngineCore's
-    scheduler thread, once per step (``build_connector_meta``); ``snapshot()`` is what
-    tests and tools read.
+    ``update_from_output`` than vLLM's own ``Scheduler``'s), ``metadata`` (the metadata
+    object takes no attribute). Written on EngineCore's scheduler thread, once per
+    step (``build_connector_meta``); ``snapshot()`` is what tests and tools read.
     """
     return Counts("declared_steps", "withheld_steps", tallies=("withheld_reasons",))
 
@@ -204,6 +203,8 @@ def _consumer_of(connector: Any, frame: Any) -> tuple[Any, str, Any, int, Any]:
     """
     module = sys.modules.get(_ENGINE)
     engine_cls = getattr(module, "EngineCore", None) if module is not None else None
+    if not isinstance(engine_cls, type):
+        engine_cls = None
     scheduler = None
     caller_hops, caller_code = 0, None
     for hops in range(_MAX_FRAMES):
@@ -517,12 +518,14 @@ def _declare_packed_reader(params: Mapping[str, Any]) -> WrapperFn:
                 "step outputs with vLLM's own take_output; its workers send upstream's dict",
             )
         if reason is None:
-            # Upstream's AuxOutputConnectorMetadata, a plain dataclass: a plain int
-            # attribute any worker reads.
-            setattr(metadata, READS_MARK, FORMAT_VERSION)
-            counters.declared_steps += 1
-        else:
-            counters.add("withheld_reasons", reason, total="withheld_steps")
+            try:
+                setattr(metadata, READS_MARK, FORMAT_VERSION)  # a plain int: any worker reads it
+            except AttributeError:  # a metadata object that takes no attributes
+                reason = "metadata"
+            else:
+                counters.declared_steps += 1
+                return metadata
+        counters.add("withheld_reasons", reason, total="withheld_steps")
         return metadata
 
     return declare_packed_reader

@@ -148,12 +148,12 @@ def test_cpu_build_refuses_ray_workers(ray_run: dict[str, Any]) -> None:
 
 
 def _installed(p: Any) -> set[str]:
-    """The patches a process installed on import of their modules (its own records)."""
-    return {
-        line.removeprefix("prime_r3: ").split(" installed on import of ")[0]
-        for line in p.lines
-        if " installed on import of " in line
-    }
+    """The patches a process installed on import of their modules (its own records, read
+    with the pattern ``parse_probe`` reads them with; it counts them only after a process
+    line, which the legacy executor's workers never print)."""
+    from prime_r3.e2e.engine import _INSTALLED
+
+    return {m["name"] for line in p.lines if (m := _INSTALLED.search(line))}
 
 
 @pytest.mark.parametrize("executor", ["v1", "v2"])

@@ -48,6 +48,11 @@ Versioning: the pickled form starts with ``FORMAT_VERSION``; a reader with anoth
 version raises ``PackedFormatError`` naming both. The handshake (see
 ``prime_r3.fixes.packed_outputs``) makes a worker pack only for an EngineCore that
 declared, in the step's connector metadata (``READS_MARK``), the format it reads.
+
+Why this module is long: the packed step must be upstream's dict to every reader, so
+each way a dict is read or changed (the mapping methods, ``copy``, ``pickle``, ``==``,
+msgspec) is a rule here, on both the filled and the unfilled form, besides the pickled
+format and its reader.
 """
 
 from __future__ import annotations

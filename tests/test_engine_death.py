@@ -34,7 +34,8 @@ from prime_r3.fixes import response_rows
 #: 16 samples: HTTP requests of n=1 and n=2, streaming and not (``Shape.mix``).
 SHAPE = wave.Shape("death", requests=16, n=2, prompt_len=16, max_tokens=4096, mix=True)
 #: Steps sent before the engine dies: each sample then has the prompt's rows and one row
-#: per later step, past MAPPED_FROM from step ~700 on (46 x 8 uint8 a row).
+#: per later step (46 x 8 uint8 a row), folded into a mapping from step 63 on (FOLD chunks,
+#: past MAPPED_FROM).
 DIE_AFTER = 1200
 ROW_BYTES = wave.LAYERS * wave.TOPK
 #: The client's own timeout (a hang would end there) and how soon after the death every

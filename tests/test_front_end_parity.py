@@ -31,7 +31,8 @@ import pytest
 from prime_r3.bench import wave
 from prime_r3.fixes import response_b64, response_json, response_rows
 
-SHAPE = wave.Shape("parity", requests=12, n=2, prompt_len=300, max_tokens=40, mix=True)
+#: Long enough (a chunk per token, and the prompt's) that every sample's rows are folded.
+SHAPE = wave.Shape("parity", requests=12, n=2, prompt_len=300, max_tokens=70, mix=True)
 
 
 def _bodies(directory: Path) -> dict[int, bytes]:
@@ -153,7 +154,7 @@ def test_wave_overlay_applied_its_fast_paths(waves: dict[str, Any]) -> None:
         ("response_rows", "response_b64", "response_json", "output_turns"), "applied"
     )
     counters = prime["counters"]
-    assert counters["response_rows"] == {"fast": samples, "fallback": {}}
+    assert counters["response_rows"] == {"fast": samples, "short": 0, "fallback": {}}
     # Streamed or not, a sample's rows go out once, when it finishes, encoded off the loop.
     assert counters["response_b64"] == {"fast": samples, "off_loop": samples, "fallback": {}}
     assert counters["response_json"]["strings"] == non_streaming
@@ -168,7 +169,7 @@ def test_wave_overlay_applied_its_fast_paths(waves: dict[str, Any]) -> None:
     assert waves["upstream"]["summary"]["packed_hop"] is None
     upstream = waves["upstream"]["summary"]["prime_r3"]
     assert set(upstream["states"].values()) == {"disabled"}
-    assert upstream["counters"]["response_rows"] == {"fast": 0, "fallback": {}}
+    assert upstream["counters"]["response_rows"] == {"fast": 0, "short": 0, "fallback": {}}
 
 
 # -- response_rows ----------------------------------------------------------------------
@@ -191,34 +192,64 @@ def _gather(chunks: list[np.ndarray]) -> response_rows.RowChunks:
     return gathered
 
 
-def _finish(chunks: response_rows.RowChunks) -> np.ndarray:
-    """What the finish wrapper hands out: the buffer's array, or upstream's concatenation."""
-    return chunks.array() if chunks.gathered else np.concatenate(chunks, axis=0)
+def _finish(chunks: response_rows.RowChunks, **state: Any) -> np.ndarray:
+    """The finished output's rows: upstream's ``_new_completion_output`` (its
+    concatenation of a non-empty list) under the wrapper, called as upstream calls it."""
+
+    def upstream(token_ids: list[int], finish_reason: Any, stop_reason: Any) -> Any:
+        rows = np.concatenate(chunks, axis=0) if chunks else None
+        return types.SimpleNamespace(finish_reason=finish_reason, routed_experts=rows)
+
+    instance = types.SimpleNamespace(routed_experts_chunks=chunks, **state)
+    wrapper = response_rows._new_completion_output({})
+    return wrapper(upstream, instance, ([7], "length", None), {}).routed_experts
 
 
-def test_row_chunks_gather_what_concatenate_would() -> None:
+def _upstreams_rows(chunks: response_rows.RowChunks) -> np.ndarray:
+    """What upstream's concatenation would give now, without finishing: the folded rows,
+    then the chunks in the list."""
+    parts = [chunks.array()] if chunks.gathered else []
+    return np.concatenate([*parts, *chunks], axis=0)
+
+
+@pytest.fixture
+def fold_every(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``fold_every(n, mapped_from)``: fold every ``n`` chunks, map from ``mapped_from``."""
+
+    def set_(n: int, mapped_from: int = 1) -> None:
+        monkeypatch.setattr(response_rows, "FOLD", n)
+        monkeypatch.setattr(response_rows, "MAPPED_FROM", mapped_from)
+
+    return set_
+
+
+def test_row_chunks_fold_what_concatenate_would() -> None:
     rng = np.random.default_rng(0)
-    chunks = [_rows(rng, 7)] + [_rows(rng, 1) for _ in range(50)] + [_rows(rng, 0), _rows(rng, 3)]
+    chunks = [_rows(rng, 7)] + [_rows(rng, 1) for _ in range(2000)] + [_rows(rng, 0), _rows(rng, 3)]
     gathered = _gather(chunks)
-    assert gathered.gathered and not gathered  # the list storage stays empty
+    assert gathered.gathered and len(gathered) == (len(chunks) % response_rows.FOLD)
+    gathered.fold()
+    assert not gathered  # the list storage is empty once folded
     got = gathered.array()
     _same(got, np.concatenate(chunks, axis=0))
     assert got.flags.c_contiguous and got.flags.writeable
 
 
-def test_a_finished_output_keeps_only_its_rows_alive() -> None:
-    """Upstream's concatenation owns exactly the rows; so does what the finish wrapper
-    hands out (a view of the buffer kept its growth slack alive with the output)."""
+def test_short_requests_keep_upstreams_list() -> None:
+    """Under ``FOLD`` chunks, or under ``MAPPED_FROM`` bytes at each fold, the chunks are
+    upstream's list and its concatenation is the output's (an array of its own)."""
     rng = np.random.default_rng(1)
-    chunks = [_rows(rng, 1) for _ in range(5000)]
-    gathered = _gather(chunks)
-    state = types.SimpleNamespace(routed_experts_chunks=gathered)
-    made = types.SimpleNamespace(finish_reason="length", routed_experts=None)
-    wrapper = response_rows._new_completion_output({})
-    out = wrapper(lambda: made, state, (), {}).routed_experts
-    expected = np.concatenate(chunks, axis=0)
-    _same(out, expected)
-    assert out.base is None and out.flags.owndata and out.nbytes == expected.nbytes
+    few = [_rows(rng, 1) for _ in range(response_rows.FOLD - 1)]
+    small = [_rows(rng, 1) for _ in range(3 * response_rows.FOLD)]  # 15 B a row
+    assert 3 * response_rows.FOLD * 15 < response_rows.MAPPED_FROM
+    response_rows.COUNTERS.reset()
+    for chunks in (few, small):
+        gathered = _gather(chunks)
+        assert not gathered.gathered and list(gathered) == chunks
+        out = _finish(gathered)
+        _same(out, np.concatenate(chunks, axis=0))
+        assert out.base is None and out.flags.owndata
+    assert response_rows.COUNTERS.snapshot() == {"fast": 0, "short": 2, "fallback": {}}
 
 
 def _mapping_of(array: np.ndarray) -> Any:
@@ -228,20 +259,17 @@ def _mapping_of(array: np.ndarray) -> Any:
     return base
 
 
-@pytest.mark.parametrize("mapped_from", [64, 1 << 12])
-def test_mapped_rows_are_handed_out_without_a_copy(
-    monkeypatch: pytest.MonkeyPatch, mapped_from: int
-) -> None:
+@pytest.mark.parametrize("mapped_from", [64, 1 << 14])
+def test_mapped_rows_are_handed_out_without_a_copy(fold_every: Any, mapped_from: int) -> None:
     """Past ``MAPPED_FROM`` the rows live in a mapping that grows in place and is handed
     out as the finished array's memory, shrunk to the rows' bytes: upstream's values,
     nothing else kept alive; a later chunk or trim spills and leaves that array as it was."""
-    monkeypatch.setattr(response_rows, "MAPPED_FROM", mapped_from)
+    fold_every(response_rows.FOLD, mapped_from)
     rng = np.random.default_rng(4)
     chunks = [_rows(rng, 3)] + [_rows(rng, 1) for _ in range(3000)]
     gathered = _gather(chunks)
-    state = types.SimpleNamespace(routed_experts_chunks=gathered)
-    made = types.SimpleNamespace(finish_reason="length", routed_experts=None)
-    out = response_rows._new_completion_output({})(lambda: made, state, (), {}).routed_experts
+    assert gathered and gathered.gathered  # chunks not folded yet: the finish folds them
+    out = _finish(gathered)
     expected = np.concatenate(chunks, axis=0)
     _same(out, expected)
     assert out.flags.c_contiguous and out.flags.writeable
@@ -258,32 +286,36 @@ def test_mapped_rows_are_handed_out_without_a_copy(
     _same(out, expected)  # the array handed out is unchanged
 
 
-@pytest.mark.parametrize("mapped_from", [64, 1 << 18])
+@pytest.mark.parametrize("mapped_from", [64, 1 << 12])
 def test_revert_hands_rows_in_flight_back_to_upstreams_list(
-    monkeypatch: pytest.MonkeyPatch, mapped_from: int
+    fold_every: Any, mapped_from: int
 ) -> None:
-    """Reverted while requests are in flight, upstream's own ``_new_completion_output``
-    (its ``if finished and self.routed_experts_chunks``, then ``np.concatenate``) still
-    finds every request's rows."""
-    monkeypatch.setattr(response_rows, "MAPPED_FROM", mapped_from)
+    """Reverted while requests are in flight (rows mapped, or not yet), upstream's own
+    ``_new_completion_output`` (its ``if finished and self.routed_experts_chunks``, then
+    ``np.concatenate``) still finds every request's rows, and no later chunk is folded
+    (those after the revert would take either past ``MAPPED_FROM``)."""
+    fold_every(8, mapped_from)
     rng = np.random.default_rng(6)
-    chunks = [_rows(rng, 30)] + [_rows(rng, 1) for _ in range(100)]
+    chunks = [_rows(rng, 30)] + [_rows(rng, 1) for _ in range(100)]  # 1,950 bytes
     gathered = _gather(chunks)
-    assert not gathered  # what upstream's check would see without the revert
+    assert gathered.gathered == (mapped_from == 64)
     response_rows.SPEC.on_revert()
-    assert gathered and not gathered.gathered
-    _same(np.concatenate(gathered, axis=0), np.concatenate(chunks, axis=0))
+    more = [_rows(rng, 40) for _ in range(20)]
+    for chunk in more:
+        gathered.append(chunk)
+    assert not gathered.gathered
+    _same(np.concatenate(gathered, axis=0), np.concatenate(chunks + more, axis=0))
 
 
-def test_revert_before_a_requests_first_chunk_sends_it_to_upstreams_list() -> None:
+def test_revert_before_a_requests_first_chunk_sends_it_to_upstreams_list(fold_every: Any) -> None:
+    fold_every(1)
     rng = np.random.default_rng(7)
     waiting = response_rows.RowChunks()  # a request whose first output has not come yet
     response_rows.SPEC.on_revert()
     chunks = [_rows(rng, 4), _rows(rng, 1)]
     for chunk in chunks:
         waiting.append(chunk)
-    assert waiting and not waiting.gathered
-    _same(np.concatenate(waiting, axis=0), np.concatenate(chunks, axis=0))
+    assert list(waiting) == chunks and not waiting.gathered
 
 
 @pytest.mark.parametrize(
@@ -296,31 +328,34 @@ def test_revert_before_a_requests_first_chunk_sends_it_to_upstreams_list() -> No
         ),
         pytest.param(lambda r: np.zeros((3, 0, 8), np.uint8), id="zero_dim"),
         pytest.param(lambda r: np.zeros((3, 2), np.dtype([])), id="zero_itemsize"),
+        pytest.param(lambda r: np.int64(3), id="zero_d"),
+        pytest.param(lambda r: [[1, 2]], id="list"),
     ],
 )
-def test_first_chunks_concatenate_would_change_go_to_upstreams_list(first: Any) -> None:
+def test_first_chunks_concatenate_would_change_go_to_upstreams_list(
+    fold_every: Any, first: Any
+) -> None:
     """Upstream's concatenation of these has another dtype (canonical byte order, no
-    padding) or no rows to count by: the buffer leaves them to it."""
+    padding), no rows to count by, or is not an array's: the fold leaves them to it."""
+    fold_every(1)
     rng = np.random.default_rng(8)
     chunks = [first(rng), first(rng)]
+    response_rows.COUNTERS.reset()
     gathered = _gather(chunks)
-    assert not gathered.gathered
-    got, expected = np.concatenate(gathered, axis=0), np.concatenate(chunks, axis=0)
-    assert got.dtype == expected.dtype and got.dtype.str == expected.dtype.str
-    assert got.shape == expected.shape and got.tobytes() == expected.tobytes()
+    assert not gathered.gathered and list(gathered) == chunks
+    assert dict(response_rows.COUNTERS.fallback) == {"chunk": 1}
 
 
 @pytest.mark.parametrize("mapped_from", [64, 1 << 18])
-def test_copied_or_pickled_chunks_are_upstreams_list(
-    monkeypatch: pytest.MonkeyPatch, mapped_from: int
-) -> None:
+def test_copied_or_pickled_chunks_are_upstreams_list(fold_every: Any, mapped_from: int) -> None:
     import copy
     import pickle
 
-    monkeypatch.setattr(response_rows, "MAPPED_FROM", mapped_from)
+    fold_every(8, mapped_from)
     rng = np.random.default_rng(9)
     chunks = [_rows(rng, 20)] + [_rows(rng, 1) for _ in range(30)]
     gathered = _gather(chunks)
+    assert gathered.gathered == (mapped_from == 64) and gathered  # folded rows and a list
     for other in (
         copy.copy(gathered),
         copy.deepcopy(gathered),
@@ -329,21 +364,20 @@ def test_copied_or_pickled_chunks_are_upstreams_list(
         assert type(other) is list
         other.append(chunks[0])
         _same(np.concatenate(other, axis=0), np.concatenate([*chunks, chunks[0]], axis=0))
-    _same(gathered.array(), np.concatenate(chunks, axis=0))  # the original is untouched
+    _same(_upstreams_rows(gathered), np.concatenate(chunks, axis=0))  # the original's
 
 
 def test_finished_outputs_past_the_mapping_budget_get_copies(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, fold_every: Any
 ) -> None:
-    monkeypatch.setattr(response_rows, "MAPPED_FROM", 64)
+    fold_every(1)
     monkeypatch.setattr(response_rows, "MAX_HANDED_OUT", len(response_rows._HANDED_OUT) + 1)
     rng = np.random.default_rng(10)
     response_rows.COUNTERS.reset()
     outs = []
     for _ in range(2):
         chunks = [_rows(rng, 40) for _ in range(3)]
-        gathered = _gather(chunks)
-        outs.append((gathered.finished(), np.concatenate(chunks, axis=0)))
+        outs.append((_finish(_gather(chunks)), np.concatenate(chunks, axis=0)))
     for out, expected in outs:
         _same(out, expected)
     assert isinstance(_mapping_of(outs[0][0]), mmap.mmap)
@@ -351,46 +385,53 @@ def test_finished_outputs_past_the_mapping_budget_get_copies(
     assert dict(response_rows.COUNTERS.fallback) == {"mappings_held": 1}
 
 
-@pytest.mark.parametrize("mapped_from", [64, 1 << 12])
-def test_mapped_rows_trim_and_spill_as_upstream(
-    monkeypatch: pytest.MonkeyPatch, mapped_from: int
-) -> None:
-    monkeypatch.setattr(response_rows, "MAPPED_FROM", mapped_from)
+@pytest.mark.parametrize("fold", [1, 3, 64])
+def test_mapped_rows_trim_and_spill_as_upstream(fold_every: Any, fold: int) -> None:
+    """``[-1] = prefix`` on a chunk still in the list and on one just folded; then a chunk
+    of another dtype: the list is upstream's, rows in the order they came."""
+    fold_every(fold)
     rng = np.random.default_rng(5)
     chunks = [_rows(rng, 40)] + [_rows(rng, 2) for _ in range(200)]
     upstream = list(chunks)
     gathered = _gather(chunks)
     upstream[-1] = chunks[-1][:1]
     gathered[-1] = chunks[-1][:1]
-    _same(gathered.array(), np.concatenate(upstream, axis=0))
+    _same(_upstreams_rows(gathered), np.concatenate(upstream, axis=0))
     odd = _rows(rng, 2, np.uint16)
+    response_rows.COUNTERS.reset()
     gathered.append(odd)
     upstream.append(odd)
-    assert not gathered.gathered
+    gathered.fold()  # as the finish does
+    assert not gathered.gathered and dict(response_rows.COUNTERS.fallback) == {"chunk": 1}
     _same(np.concatenate(gathered, axis=0), np.concatenate(upstream, axis=0))
 
 
 @pytest.mark.parametrize(
-    "odd",
+    ("odd", "spills"),
     [
-        pytest.param(lambda r: _rows(r, 2, np.uint16), id="dtype"),
-        pytest.param(lambda r: r.integers(0, 9, size=(2, 5, 4)).astype(np.uint8), id="shape"),
-        pytest.param(lambda r: np.asfortranarray(_rows(r, 4)), id="fortran"),
-        pytest.param(lambda r: _rows(r, 8)[::2], id="strided"),
+        pytest.param(lambda r: _rows(r, 2, np.uint16), True, id="dtype"),
+        pytest.param(lambda r: r.integers(0, 9, size=(2, 5, 4)).astype(np.uint8), True, id="shape"),
+        pytest.param(lambda r: _rows(r, 2).view(np.ma.MaskedArray), True, id="subclass"),
+        pytest.param(lambda r: np.asfortranarray(_rows(r, 4)), False, id="fortran"),
+        pytest.param(lambda r: _rows(r, 8)[::2], False, id="strided"),
     ],
 )
-def test_row_chunks_spill_to_upstreams_list(odd: Any) -> None:
+def test_row_chunks_fold_or_spill_to_upstreams_list(
+    fold_every: Any, odd: Any, spills: bool
+) -> None:
+    """A chunk of another dtype, row shape or type spills (upstream's concatenation
+    promotes, refuses or dispatches); a strided one is folded as concatenate copies it."""
+    fold_every(1)
     rng = np.random.default_rng(1)
     chunks = [_rows(rng, 3), _rows(rng, 1), odd(rng), _rows(rng, 1)]
-    gathered = response_rows.RowChunks()
     response_rows.COUNTERS.reset()
     try:
         expected = np.concatenate(chunks, axis=0)
     except ValueError:
         expected = None
-    for chunk in chunks:
-        gathered.append(chunk)
-    assert not gathered.gathered and sum(response_rows.COUNTERS.fallback.values()) == 1
+    gathered = _gather(chunks)
+    assert gathered.gathered != spills
+    assert sum(response_rows.COUNTERS.fallback.values()) == int(spills)
     if expected is None:
         with pytest.raises(ValueError):
             np.concatenate(gathered, axis=0)
@@ -398,17 +439,20 @@ def test_row_chunks_spill_to_upstreams_list(odd: Any) -> None:
         _same(_finish(gathered), expected)
 
 
-def test_row_chunks_trim_the_last_chunk_as_upstream() -> None:
-    """``[-1] = prefix`` (upstream's drop of tokens past a stop string), in the buffer and
-    once the rows were handed out (spilled: the last chunk is still ``[-1]``)."""
+def test_row_chunks_trim_the_last_chunk_as_upstream(fold_every: Any) -> None:
+    """``[-1] = prefix`` (upstream's drop of tokens past a stop string) once folded (the
+    rows rewound), and once the rows were handed out (spilled: the last chunk is still
+    ``[-1]``)."""
+    fold_every(1)
     rng = np.random.default_rng(2)
     chunks = [_rows(rng, 4), _rows(rng, 3), _rows(rng, 2)]
     upstream = list(chunks)
     gathered = _gather(chunks)
     upstream[-1] = chunks[-1][:1]
     gathered[-1] = chunks[-1][:1]
-    _same(gathered.array(), np.concatenate(upstream, axis=0))
-    handed_out = gathered.array()
+    _same(_upstreams_rows(gathered), np.concatenate(upstream, axis=0))
+    handed_out = _finish(gathered)
+    _same(handed_out, np.concatenate(upstream, axis=0))
     upstream[-1] = upstream[-1][:0]
     gathered[-1] = chunks[-1][:0]
     assert not gathered.gathered
@@ -419,10 +463,65 @@ def test_row_chunks_trim_the_last_chunk_as_upstream() -> None:
     _same(np.concatenate(gathered, axis=0), np.concatenate(upstream, axis=0))
 
 
-def test_row_chunks_other_assignments_spill_first() -> None:
+def test_a_chunk_after_the_rows_were_handed_out_spills(fold_every: Any) -> None:
+    """A finished request that gets more chunks (its state kept by a caller): the rows
+    handed out stay as they were, and the list is upstream's with every row."""
+    fold_every(2)
+    rng = np.random.default_rng(12)
+    chunks = [_rows(rng, 40) for _ in range(3)]
+    gathered = _gather(chunks)
+    out = _finish(gathered)
+    response_rows.COUNTERS.reset()
+    more = [_rows(rng, 1), _rows(rng, 1)]
+    for chunk in more:
+        gathered.append(chunk)
+    assert dict(response_rows.COUNTERS.fallback) == {"handed_out": 1}
+    _same(out, np.concatenate(chunks, axis=0))
+    _same(np.concatenate(gathered, axis=0), np.concatenate(chunks + more, axis=0))
+
+
+@pytest.mark.parametrize(
+    "act",
+    [
+        lambda c: c.clear(),
+        lambda c: c.pop(),
+        lambda c: c.pop(0),
+        lambda c: c.insert(0, c[-1]),
+        lambda c: c.reverse(),
+        lambda c: c.__delitem__(slice(0, 1)),
+        lambda c: c.__imul__(2),
+    ],
+    ids=["clear", "pop", "pop0", "insert", "reverse", "del", "imul"],
+)
+def test_list_methods_act_on_upstreams_whole_list(fold_every: Any, act: Any) -> None:
+    """Upstream calls none of these on the chunks; called on folded rows, each acts on
+    upstream's whole list (the rows spill first) and returns what the list's would."""
+    fold_every(4)
+    rng = np.random.default_rng(13)
+    chunks = [_rows(rng, 3) for _ in range(6)]  # 4 folded, 2 in the list
+    gathered, upstream = _gather(chunks), list(chunks)
+    assert gathered.gathered and len(gathered) == 2
+    response_rows.COUNTERS.reset()
+    got, expected = act(gathered), act(upstream)
+    assert dict(response_rows.COUNTERS.fallback) == {"list_op": 1}
+    assert not gathered.gathered and len(gathered) == len(upstream)
+    if expected is None or expected is upstream:
+        assert got is (None if expected is None else gathered)
+    else:
+        _same(got, expected)
+    assert all(type(c) is np.ndarray for c in gathered)
+    for mine, theirs in zip(gathered, upstream, strict=True):  # chunk for chunk
+        _same(mine, theirs)
+    if upstream:
+        _same(np.concatenate(gathered, axis=0), np.concatenate(upstream, axis=0))
+
+
+def test_row_chunks_other_assignments_spill_first(fold_every: Any) -> None:
+    fold_every(1)
     rng = np.random.default_rng(3)
     chunks = [_rows(rng, 4), _rows(rng, 3)]
     gathered = _gather(chunks)
+    assert gathered.gathered
     gathered[0] = chunks[0][:1]
     _same(np.concatenate(gathered, axis=0), np.concatenate([chunks[0][:1], chunks[1]], axis=0))
     with pytest.raises(IndexError):

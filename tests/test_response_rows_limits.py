@@ -41,16 +41,18 @@ def _same(got: np.ndarray, expected: np.ndarray) -> None:
     assert np.array_equal(got, expected)
 
 
-def _finish(chunks: response_rows.RowChunks) -> np.ndarray:
+def _finish(chunks: response_rows.RowChunks, **state: Any) -> np.ndarray:
     """The finished output's rows as the output processor gets them: upstream's
-    ``_new_completion_output`` (its concatenation of a non-empty list) under the wrapper."""
+    ``_new_completion_output`` (its concatenation of a non-empty list) under the wrapper,
+    called as upstream calls it."""
 
-    def upstream() -> Any:
+    def upstream(token_ids: list[int], finish_reason: Any, stop_reason: Any) -> Any:
         rows = np.concatenate(chunks, axis=0) if chunks else None
-        return types.SimpleNamespace(finish_reason="length", routed_experts=rows)
+        return types.SimpleNamespace(finish_reason=finish_reason, routed_experts=rows)
 
-    state = types.SimpleNamespace(routed_experts_chunks=chunks)
-    return response_rows._new_completion_output({})(upstream, state, (), {}).routed_experts
+    instance = types.SimpleNamespace(routed_experts_chunks=chunks, **state)
+    wrapper = response_rows._new_completion_output({})
+    return wrapper(upstream, instance, ([7], "length", None), {}).routed_experts
 
 
 def _module_like_mmap() -> types.SimpleNamespace:
@@ -62,6 +64,7 @@ class _Kernel:
     """``response_rows.mmap`` with mappings whose kernel calls can be refused."""
 
     refuse = ""
+    error: type[Exception] = OSError  # SystemError: a Python without mremap
 
     def __init__(self) -> None:
         kernel = self
@@ -76,6 +79,8 @@ class _Kernel:
 
             def resize(self, size: int) -> None:
                 if kernel.refuse == ("grow" if size > len(self) else "shrink"):
+                    if kernel.error is SystemError:  # CPython's mmap without mremap
+                        raise SystemError("mmap: resizing not available--no mremap()")
                     raise OSError(errno.ENOMEM, "Cannot allocate memory")
                 super().resize(size)
 
@@ -100,17 +105,22 @@ class _Kernel:
         ),
         "grow",
         "shrink",
+        "grow-no_mremap",
+        "shrink-no_mremap",
     ],
 )
 def test_each_refused_kernel_call_takes_upstreams_path(
     monkeypatch: pytest.MonkeyPatch, refused: str
 ) -> None:
-    """The kernel refuses one call (``ENOMEM``): no error reaches the output processor,
-    the count names the call, and the finished rows (after a trim too) are upstream's
-    concatenation."""
+    """The kernel refuses one call (``ENOMEM``; or a Python without ``mremap`` refuses a
+    resize with ``SystemError``): no error reaches the output processor, the count names
+    the call, and the finished rows (after a trim too) are upstream's concatenation."""
     kernel = _Kernel()
+    refused, _, no_mremap = refused.partition("-")
+    kernel.error = SystemError if no_mremap else OSError
     monkeypatch.setattr(response_rows, "mmap", kernel.module)
     monkeypatch.setattr(response_rows, "MAPPED_FROM", 64)
+    monkeypatch.setattr(response_rows, "FOLD", 8)
     rng = np.random.default_rng(11)
     chunks = [_rows(rng, 3)] + [_rows(rng, 1) for _ in range(900)] + [_rows(rng, 4)]
     upstream = list(chunks)
@@ -154,27 +164,31 @@ del warm
 
 
 def finish(chunks):
-    def upstream():
+    def upstream(token_ids, finish_reason, stop_reason):
         rows = np.concatenate(chunks, axis=0) if chunks else None
-        return types.SimpleNamespace(finish_reason="length", routed_experts=rows)
+        return types.SimpleNamespace(finish_reason=finish_reason, routed_experts=rows)
 
     state = types.SimpleNamespace(routed_experts_chunks=chunks)
-    return response_rows._new_completion_output({})(upstream, state, (), {}).routed_experts
+    wrapper = response_rows._new_completion_output({})
+    return wrapper(upstream, state, ([7], "length", None), {}).routed_experts
 
 
 # Requests in flight, each past MAPPED_FROM: the kernel merges their mappings.
+response_rows.FOLD = 1  # every chunk folded as it comes
 rng = np.random.default_rng(12)
 requests = []
 for _ in range(16):
-    chunks = [rng.integers(0, 255, (300, 46, 8), dtype=np.uint8) for _ in range(3)]
+    # the first chunk maps room for twice its rows: the later ones need no growth
+    chunks = [rng.integers(0, 255, (n, 46, 8), dtype=np.uint8) for n in (300, 10, 10)]
     gathered = response_rows.RowChunks()
     for chunk in chunks:
         gathered.append(chunk)
     assert type(gathered._rows) is mmap.mmap
     requests.append((gathered, chunks))
-crossing = [rng.integers(0, 255, (300, 46, 8), dtype=np.uint8) for _ in range(3)]
+crossing = [rng.integers(0, 255, (n, 46, 8), dtype=np.uint8) for n in (10, 300, 300)]
 late = response_rows.RowChunks()
-late.append(crossing[0])  # in the bytearray; the next chunk needs a mapping
+late.append(crossing[0])  # under MAPPED_FROM: upstream's list; the next chunk maps
+assert late._rows is None
 response_rows.COUNTERS.reset()
 
 # The map count filled: every other page of one mapping gets another protection.
@@ -246,6 +260,7 @@ def test_mappings_of_requests_in_flight_are_capped(monkeypatch: pytest.MonkeyPat
     frees its place."""
     gc.collect()
     monkeypatch.setattr(response_rows, "MAPPED_FROM", 64)
+    monkeypatch.setattr(response_rows, "FOLD", 1)
     base = len(response_rows._IN_FLIGHT)
     monkeypatch.setattr(response_rows, "MAX_IN_FLIGHT", base + 2)
     rng = np.random.default_rng(13)
@@ -268,7 +283,7 @@ def test_mappings_of_requests_in_flight_are_capped(monkeypatch: pytest.MonkeyPat
         chunks = [_rows(rng, 40)]
         gathered = response_rows.RowChunks()
         gathered.append(chunks[0])
-        assert gathered.gathered and type(gathered._rows) is not bytearray
+        assert gathered.gathered and type(gathered._rows) is mmap.mmap
         _same(_finish(gathered), chunks[0])
     assert dict(response_rows.COUNTERS.fallback) == {"mappings_in_flight": 1}
 
@@ -343,10 +358,11 @@ def test_a_first_chunk_past_the_buffer_refused_its_mapping_is_upstreams(
     monkeypatch: pytest.MonkeyPatch, refused: str
 ) -> None:
     """A long prompt's rows arrive as one first chunk past ``MAPPED_FROM``: a refused
-    mapping (or no place left in flight) sends it to upstream's list, no error."""
+    mapping (or no place left in flight) leaves upstream's list as it is, no error."""
     kernel = _Kernel()
     monkeypatch.setattr(response_rows, "mmap", kernel.module)
     monkeypatch.setattr(response_rows, "MAPPED_FROM", 64)
+    monkeypatch.setattr(response_rows, "FOLD", 1)
     if refused == "mappings_in_flight":
         monkeypatch.setattr(response_rows, "MAX_IN_FLIGHT", 0)
     else:
@@ -368,6 +384,7 @@ def test_advice_refused_for_want_of_thp_keeps_the_mapping(monkeypatch: pytest.Mo
     kernel.refuse = "advise_no_thp"
     monkeypatch.setattr(response_rows, "mmap", kernel.module)
     monkeypatch.setattr(response_rows, "MAPPED_FROM", 64)
+    monkeypatch.setattr(response_rows, "FOLD", 4)
     rng = np.random.default_rng(6)
     chunks = [_rows(rng, 1) for _ in range(50)]
     gathered = response_rows.RowChunks()
@@ -386,19 +403,15 @@ def test_a_streaming_input_requests_finish_lends_no_memory(
     """A streaming-input request's state lives on after a finish: the output gets a copy,
     so a consumer writing to it cannot change the rows a later finish reads."""
     monkeypatch.setattr(response_rows, "MAPPED_FROM", 64)
+    monkeypatch.setattr(response_rows, "FOLD", 2)
     rng = np.random.default_rng(7)
     chunks = [_rows(rng, 40) for _ in range(3)]
     gathered = response_rows.RowChunks()
     for chunk in chunks:
         gathered.append(chunk)
-    assert gathered.gathered and not isinstance(gathered._rows, bytearray)
-
-    def upstream() -> Any:
-        return types.SimpleNamespace(finish_reason="length", routed_experts=None)
-
-    state = types.SimpleNamespace(routed_experts_chunks=gathered, streaming_input=True)
+    assert gathered.gathered and len(gathered) == 1  # the third chunk not folded yet
     response_rows.COUNTERS.reset()
-    out = response_rows._new_completion_output({})(upstream, state, (), {}).routed_experts
+    out = _finish(gathered, streaming_input=True)
     _same(out, np.concatenate(chunks, axis=0))
     out[:] = 0  # the consumer's to change
     more = _rows(rng, 2)

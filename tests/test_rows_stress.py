@@ -2,7 +2,7 @@
 
 The small form of ``prime-r3 bench rows-stress`` (``scripts/bench_rows_stress.py``, whose
 ``drive`` runs here): 300 requests added to the real ``OutputProcessor`` with their real
-``RequestOutputCollector``s, every request's rows past 256 KiB (response_rows'
+``RequestOutputCollector``s, every request's rows past 256 KiB (and response_rows'
 ``MAPPED_FROM``) while all are in flight, finishing at seeded random steps in a random
 order within each step, some aborted after passing 256 KiB. response_rows' caps are set to
 64 in flight and 32 handed out, so most requests meet the first and, with every finished
@@ -53,10 +53,13 @@ def test_thousands_in_flight_get_upstreams_rows_within_the_caps(
     reverted: pytest.MonkeyPatch,
 ) -> None:
     bench = _bench()
-    # 512 prompt rows (188 KiB, under MAPPED_FROM) then one row per step: every request
-    # passes 256 KiB after step 201 and ends by step ~272; 10% aborted past 256 KiB.
+    # 512 prompt rows (188 KiB, past MAPPED_FROM) then one row per step: every request
+    # folds its first FOLD chunks into a mapping at the same step, passes 256 KiB after
+    # step 201 and ends by step ~272; 10% aborted past 256 KiB.
     plan = bench.make_plan(REQUESTS, 1 << 18, 46, 8, prompt=512, spread=0.1, abort=0.1, seed=3)
-    assert plan.prompt * 46 * 8 < response_rows.MAPPED_FROM
+    assert plan.prompt * 46 * 8 >= response_rows.MAPPED_FROM
+    folded_at = response_rows.FOLD - 1  # the step of every request's first fold
+    assert folded_at < plan.crossing <= min(plan.ends)
     rows_at_crossing = plan.prompt + plan.crossing  # the first row count past 256 KiB
     assert (rows_at_crossing - 1) * 368 <= 1 << 18 < rows_at_crossing * 368
     aborted = sum(1 for a in plan.aborts if a)
@@ -83,7 +86,7 @@ def test_thousands_in_flight_get_upstreams_rows_within_the_caps(
         assert in_flight <= CAP and handed <= HELD, (step, in_flight, handed)
         seen["in_flight"] = max(seen["in_flight"], in_flight)
         seen["handed_out"] = max(seen["handed_out"], handed)
-        if step % 16 == 0 or plan.crossing <= step <= plan.crossing + 2:
+        if step % 16 == 0 or folded_at <= step <= folded_at + 2:
             vmas = bench.rows_vmas() - start_vmas  # the kernel's view (may merge)
             assert vmas <= in_flight + handed, (step, vmas, in_flight, handed)
             seen["vmas"] = max(seen["vmas"], vmas)
@@ -96,10 +99,9 @@ def test_thousands_in_flight_get_upstreams_rows_within_the_caps(
     print(f"prime: {counts}, peaks {seen}")
     # Each request finished from the buffer (fast) or spilled at the cap in flight.
     assert counts["fast"] + counts["fallback"]["mappings_in_flight"] == REQUESTS
-    # The cap in flight: all requests pass 256 KiB at the same step; only CAP map (plus a
-    # place freed by each one finishing at that step), the rest keep upstream's list.
-    at_crossing = sum(1 for end in plan.ends if end == plan.crossing)
-    assert counts["fallback"].get("mappings_in_flight", 0) >= REQUESTS - CAP - at_crossing
+    # The cap in flight: all requests fold at the same step, none finishes there; only CAP
+    # map, the rest keep upstream's list.
+    assert counts["fallback"].get("mappings_in_flight", 0) == REQUESTS - CAP
     assert seen["in_flight"] == CAP and seen["vmas"] > 0
     # The cap on handed-out mappings: every output kept, so past HELD a finish gets a copy.
     assert seen["handed_out"] == HELD

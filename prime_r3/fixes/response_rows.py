@@ -8,50 +8,65 @@ alive until then, and ~13 ms of concatenation per request, all at once when a wa
 requests finishes in the same step (100 of them: over a second in one call).
 
 Here ``routed_experts_chunks`` is a ``RowChunks`` (a ``list`` subclass, set in
-``RequestState.__init__`` where upstream sets its list): ``append`` copies each chunk's
-bytes onto one buffer and drops the chunk, and ``[-1] = prefix`` (upstream's trim of
-tokens dropped after a stop string) rewinds the last chunk and appends the prefix. The
-buffer is a ``bytearray`` while the rows are under ``MAPPED_FROM`` (256 KiB); past that
-they move, once, into a private anonymous mapping (``mmap``, advised ``MADV_NOHUGEPAGE``),
-which grows by ``mremap`` (the kernel moves pages, never the rows; reserved pages hold no
-memory until written).
-Its list storage stays empty, so upstream's ``if finished and self.routed_experts_chunks``
-builds its output with ``routed_experts=None``; our ``_new_completion_output`` wrapper then
-sets the output's ``routed_experts`` to the rows as one array of their exact size
-(``finished()``):
+``RequestState.__init__`` where upstream sets its list). Its list storage is upstream's
+list: ``append`` is ``list.append``, and every ``FOLD`` (64) chunks the chunks in it are
+*folded*: once they hold at least ``MAPPED_FROM`` (16 KiB) of rows, one
+``np.concatenate(chunks, out=..., casting="no")`` writes them into a private anonymous
+mapping (``mmap``, advised ``MADV_NOHUGEPAGE``) and the list is emptied; from then on
+each fold appends to the mapping, which grows by ``mremap`` (the kernel moves pages, never
+the rows; reserved pages hold no memory until written). A request that never folds keeps
+upstream's list, and upstream's own concatenation at finish (counted as ``short``).
+``[-1] = prefix``
+(upstream's trim of tokens dropped after a stop string) replaces the last chunk in the
+list, or, when the list was just folded, rewinds the last chunk's rows in the mapping and
+appends the prefix.
 
-* rows in a mapping: the mapping shrunk to their bytes and handed out as the array's
-  buffer (``np.frombuffer``; no copy, so a wave of long requests finishing in one step
-  costs the loop no copying); from then on the buffer takes no rows in place (a later
-  chunk or trim spills, below), so the array handed out never changes;
-* rows in the ``bytearray``: one copy of them (at most 256 KiB);
-* a streaming-input request (``streaming_input``: its state lives on for the next input
-  chunk, and later finishes read the same rows): one copy (``streaming_input``), so the
-  buffer never lends memory that a later finish reads.
+At finish our ``_new_completion_output`` wrapper folds what the list holds before calling
+upstream's (``finish_reason`` given), so upstream's ``if finished and
+self.routed_experts_chunks`` finds the list empty and builds its output with
+``routed_experts=None``; the wrapper then sets the output's ``routed_experts`` to the
+rows as one array of their exact size (``finished()``): the mapping shrunk to their bytes
+and handed out as the array's buffer (``np.frombuffer``; no copy, so a wave of long
+requests finishing in one step costs the loop no copying). From then on the mapping takes
+no rows (a later chunk or trim spills, below), so the array handed out never changes. A
+streaming-input request (``streaming_input``: its state lives on for the next input
+chunk, and later finishes read the same rows) gets a copy (``streaming_input``), so the
+mapping never lends memory that a later finish reads.
 
 That array equals upstream's concatenation: same dtype, shape and values, C-contiguous,
 writeable, and nothing but its rows is kept alive with it (a mapping of their bytes,
-rounded up to a page as glibc rounds its own mapped allocations). What differs, for
-mapped rows only: the array's memory is the mapping it references (``base``), not
-numpy's own (``flags.owndata`` is false, so ``ndarray.resize`` refuses it).
+rounded up to a page). What differs: the array's memory is the mapping it references
+(``base``), not numpy's own (``flags.owndata`` is false, so ``ndarray.resize`` refuses
+it).
 
 Fast case: every chunk an exact ``np.ndarray`` of the first chunk's dtype (one that
-``np.concatenate`` keeps as it is: native or no byte order, no padding), ndim >= 1 and
-trailing shape (no zero-size dimension, no zero-size items), C-contiguous. Anything
-else (another dtype or shape, which ``np.concatenate`` would promote or refuse; a
-non-contiguous array; any other assignment than ``[-1] =``; a chunk or ``[-1] =`` once
-mapped rows were handed out; no mapping to be had, below) *spills*: the rows so far
-become two ordinary chunks in the list (copies of those before the last chunk, and of
-the last chunk, so ``[-1]`` still names it) and the list is upstream's from then on
-(upstream's concatenation of ``[rows before, last, chunk, ...]`` equals that of the
-original chunks); counted in ``COUNTERS`` by reason.
+``np.concatenate`` keeps as it is: native or no byte order, no padding), ndim >= 1, and
+its row shape (no zero-size dimension, no zero-size items). ``casting="no"`` refuses any
+other dtype and ``np.concatenate`` any other row shape; strided chunks are copied by it
+as upstream's concatenation copies them. Anything else (a fold refused, as below; any
+other assignment than ``[-1] =``; a chunk or ``[-1] =`` once the rows were handed out)
+*spills*: the folded rows become ordinary chunks at the front of the list (one copy of
+them, split where the chunks were: ``_counts`` keeps each folded chunk's row count), the
+mapping goes, and the list is upstream's from then on, chunk for chunk (equal arrays,
+in upstream's order; ``[-1]`` and every index name what they name in upstream's);
+counted in ``COUNTERS`` by reason.
 
-The other list operations are not overridden: code that reads the list directly
-(upstream does not) sees it empty until a spill. On revert every live buffer spills
-(``on_revert``; one with no rows yet sends its first chunk to the list), so a request in
-flight finishes with upstream's own concatenation; revert runs where the buffers are
-appended to (the API server's loop thread), as a spill is not atomic with an append.
-Copied or pickled, a buffer is upstream's list of its rows (one array).
+Code that reads the list directly (upstream does not) sees only the chunks not folded
+yet; the list methods that remove, insert or reorder chunks (``clear``, ``pop``,
+``insert``, ``remove``, ``reverse``, ``sort``, ``del``, ``*=``; upstream calls none)
+spill first (``list_op``), so they act on upstream's whole list. On revert every live
+buffer spills (``on_revert``), so a request in flight finishes with upstream's own
+concatenation; revert runs where the chunks are appended (the API server's loop
+thread), as a spill is not atomic with an append. Copied or pickled, a buffer is
+upstream's list of its rows (the mapped rows as one array, then the chunks).
+
+Memory. The rows in a mapping cost their bytes (in pages), where upstream's one array
+per step costs an object and an allocation each; the chunks folded return to the heap
+as upstream's do at finish. A request's first mapped fold frees the chunks that took it
+past ``MAPPED_FROM`` (``FOLD`` chunks, a few more folds' worth for rows under 256 B), so
+requests crossing together leave at most that behind in the heap, not their rows. The
+mapping's room (twice the rows at most) holds no memory until written, though under
+``vm.overcommit_memory=2`` it counts against the commit limit.
 
 Mappings and the kernel. Upstream's list and ``np.concatenate`` make no call on a
 mapping; the kernel may refuse each of ours (``ENOMEM`` under memory pressure, or at
@@ -61,12 +76,14 @@ mapping the kernel merged with its neighbours). No refusal reaches vLLM: each
 
 * ``map`` (``mmap``) and ``advise`` (``madvise`` other than ``EINVAL``; the new mapping
   is closed, which at the map-count limit may itself leave it mapped: CPython ignores
-  ``munmap``'s error, as glibc does for upstream's freed arrays): the rows stay in the
-  ``bytearray`` and spill with the chunk;
+  ``munmap``'s error, as glibc does for upstream's freed arrays): the list stays
+  upstream's;
 * ``grow`` (``mremap`` to a larger size; the kernel leaves the mapping as it was): the
-  rows spill from the mapping with the chunk;
+  rows spill from the mapping;
 * ``shrink`` (``mremap`` at finish): the finished output gets a copy of the rows (the
-  buffer keeps them, unchanged), as rows in a ``bytearray`` do.
+  mapping keeps them, unchanged).
+
+A Python without ``mremap`` (not Linux) raises ``SystemError`` for both: counted the same.
 
 A copy equals upstream's concatenation: the rows' bytes in an array of their own, as
 ``np.concatenate`` of the chunks makes it. Two caps keep the process far from
@@ -91,7 +108,10 @@ nothing to avoid there, and the mapping is kept.
 from __future__ import annotations
 
 import errno
+import itertools
+import math
 import mmap
+import sys
 import threading
 import weakref
 from collections import Counter
@@ -131,10 +151,13 @@ class Counters:
             self.fallback.clear()
 
 
-COUNTERS = Counters()
+COUNTERS = Counters("short")
 _NDARRAY = np.ndarray
-#: Rows of at least this many bytes move from a ``bytearray`` into a private mapping.
-MAPPED_FROM = 1 << 18
+#: Chunks gathered in the list between two folds.
+FOLD = 64
+#: Rows of at least this many bytes are folded into a private mapping.
+MAPPED_FROM = 1 << 14
+_NEVER = sys.maxsize  # a spilled list's next fold
 _NO_HUGE_PAGES = getattr(mmap, "MADV_NOHUGEPAGE", None)  # None: no THP on this platform
 
 
@@ -147,106 +170,117 @@ class _Refused(Exception):
 
 
 class RowChunks(list):
-    """``routed_experts_chunks`` as one growing byte buffer (see the module docstring)."""
+    """``routed_experts_chunks``, folded into one mapping (see the module docstring)."""
 
-    __slots__ = ("_rows", "_size", "_dtype", "_tail", "_last", "_spilled", "_handed", "__weakref__")
+    __slots__ = (
+        "_rows",
+        "_size",
+        "_dtype",
+        "_tail",
+        "_counts",
+        "_fold_at",
+        "_handed",
+        "__weakref__",
+    )
 
     def __init__(self) -> None:
         super().__init__()
         key = id(self)
         _LIVE[key] = weakref.ref(self, lambda _, key=key: _LIVE.pop(key, None))
-        self._rows: bytearray | mmap.mmap | None = None
+        self._rows: mmap.mmap | None = None
         self._size = 0  # bytes of rows in ``_rows``
         self._dtype: Any = None
         self._tail: tuple[int, ...] = ()
-        self._last = 0  # bytes of the last chunk appended
-        self._spilled = False
+        self._counts: list[int] = []  # rows of each chunk folded, in order
+        self._fold_at = FOLD  # the list's length at the next fold; ``_NEVER`` once spilled
         self._handed = False  # the mapping's rows were handed out at finish
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        """Copied or pickled, the chunks are upstream's list: the rows so far as one array."""
-        return (list, ([self.array().copy()] if self.gathered else list(self),))
+        """Copied or pickled, the chunks are upstream's list: the folded chunks (copies),
+        then the chunks not folded yet."""
+        return (list, ([*self._folded(), *self] if self.gathered else list(self),))
+
+    def _folded(self) -> list[Any]:
+        """A copy of the folded rows, split back into the chunks they were folded from."""
+        if not self._counts:
+            return []
+        return np.split(self.array().copy(), list(itertools.accumulate(self._counts[:-1])))
 
     @property
     def gathered(self) -> bool:
-        """Rows were appended and live in the buffer (the list is empty)."""
+        """Rows were folded and live in the mapping."""
         return self._rows is not None
 
     def append(self, chunk: Any) -> None:
-        if self._rows is None:
-            if self._spilled:
-                return list.append(self, chunk)
-            self._start(chunk)
-            return None
-        if type(chunk) is not _NDARRAY or chunk.ndim == 0 or chunk.shape[1:] != self._tail:
-            return self._spill(chunk, "shape")
-        if chunk.dtype != self._dtype:
-            return self._spill(chunk, "dtype")
+        list.append(self, chunk)
+        if len(self) >= self._fold_at:
+            self.fold()
+
+    def fold(self) -> None:
+        """Move the chunks in the list into the mapping (mapping it once they hold
+        ``MAPPED_FROM``), or spill."""
+        if not len(self) or self._fold_at == _NEVER:
+            return
         if self._handed:
-            return self._spill(chunk, "handed_out")
-        if not chunk.flags.c_contiguous:
-            return self._spill(chunk, "layout")
+            return self._spill("handed_out")
+        if len(set(map(type, self))) != 1 or type(self[0]) is not _NDARRAY:
+            return self._spill("chunk")
+        if self._rows is None:
+            first = self[0]
+            if (
+                first.ndim < 1
+                or first.dtype.hasobject
+                or first.dtype.itemsize == 0
+                or 0 in first.shape[1:]
+            ):
+                return self._spill("chunk")
+            canonical = np.concatenate((first[:0],)).dtype  # the dtype concatenate gives
+            if canonical.str != first.dtype.str or canonical.descr != first.dtype.descr:
+                return self._spill("chunk")  # byte-swapped, padded or aligned
+            self._dtype, self._tail = first.dtype, first.shape[1:]
         try:
-            self._write(chunk)
-        except (BufferError, ValueError, TypeError):  # the rows' buffer exported
-            return self._spill(chunk, "layout")
-        except _Refused as refused:  # no mapping, advice or growth to be had
-            return self._spill(chunk, refused.reason)
+            lens = list(map(len, self))
+        except TypeError:  # a 0-d chunk
+            return self._spill("chunk")
+        rows = sum(lens)
+        items = rows * math.prod(self._tail)
+        need = self._size + items * self._dtype.itemsize
+        try:
+            if self._rows is None:
+                if need < MAPPED_FROM:
+                    self._fold_at = len(self) + FOLD
+                    return None
+                self._map(need)
+            elif need > len(self._rows):  # grow the mapping (mremap: no copy of the rows)
+                try:
+                    self._rows.resize(_pages(max(2 * len(self._rows), need)))
+                except BufferError:  # a view of the rows is alive
+                    raise _Refused("view_alive") from None
+                except (OSError, SystemError):  # refused (SystemError: no mremap here)
+                    raise _Refused("grow") from None
+        except _Refused as refused:
+            return self._spill(refused.reason)
+        out = np.frombuffer(self._rows, self._dtype, items, self._size)
+        try:
+            np.concatenate(self, out=out.reshape((rows, *self._tail)), casting="no")
+        except (TypeError, ValueError):  # another dtype or row shape: upstream's own
+            del out
+            return self._spill("chunk")
+        del out
+        self._counts += lens
+        self._size = need
+        self._fold_at = FOLD
+        list.clear(self)
         return None
 
-    def _start(self, chunk: Any) -> None:
-        if (
-            type(chunk) is not _NDARRAY
-            or chunk.ndim < 1
-            or chunk.dtype.hasobject
-            or not chunk.flags.c_contiguous
-            or chunk.dtype.itemsize == 0
-            or 0 in chunk.shape[1:]
-        ):
-            self._spill(chunk, "first_chunk")
-            return
-        canonical = np.concatenate((chunk[:0],)).dtype  # the dtype concatenate gives
-        if canonical.str != chunk.dtype.str or canonical.descr != chunk.dtype.descr:
-            self._spill(chunk, "dtype")  # byte-swapped, padded or aligned: upstream's own
-            return
-        self._rows, self._dtype, self._tail, self._size = (
-            bytearray(),
-            chunk.dtype,
-            chunk.shape[1:],
-            0,
-        )
-        try:
-            self._write(chunk)
-        except _Refused as refused:  # nothing written: the chunk goes to the list
-            self._rows = None
-            self._spill(chunk, refused.reason)
-
-    def _write(self, chunk: Any) -> None:
-        """Append a C-contiguous chunk's bytes (the caller checked dtype and shape)."""
-        rows, size, n = self._rows, self._size, chunk.nbytes
-        if type(rows) is bytearray:
-            if size + n <= MAPPED_FROM:
-                rows.extend(chunk)  # the chunk's bytes (``+=`` would be numpy's add)
-                self._size, self._last = size + n, n
-                return
-            rows = self._map(rows, size + n)
-        if size + n > len(rows):  # grow the mapping (mremap: no copy of the rows)
-            try:
-                rows.resize(_pages(max(2 * len(rows), size + n)))
-            except OSError:  # the kernel left the mapping as it was
-                raise _Refused("grow") from None
-        rows.seek(size)
-        rows.write(chunk)
-        self._size, self._last = size + n, n
-
-    def _map(self, small: bytearray, need: int) -> mmap.mmap:
-        """Move the rows so far into a private anonymous mapping with room for ``need``,
-        advised never to use huge pages; ``_Refused`` (the rows left in ``small``) past
-        ``MAX_IN_FLIGHT`` or when the kernel refuses the mapping or the advice."""
+    def _map(self, need: int) -> None:
+        """A private anonymous mapping with room for ``need`` bytes, advised never to use
+        huge pages; ``_Refused`` past ``MAX_IN_FLIGHT`` or when the kernel refuses the
+        mapping or the advice."""
         if len(_IN_FLIGHT) >= MAX_IN_FLIGHT:
             raise _Refused("mappings_in_flight")
         try:
-            mapped = mmap.mmap(-1, _pages(max(2 * need, 4 * MAPPED_FROM)), flags=mmap.MAP_PRIVATE)
+            mapped = mmap.mmap(-1, _pages(2 * need), flags=mmap.MAP_PRIVATE)
         except OSError:
             raise _Refused("map") from None
         if _NO_HUGE_PAGES is not None:
@@ -256,67 +290,70 @@ class RowChunks(list):
                 if refused.errno != errno.EINVAL:  # EINVAL: no THP here, nothing to avoid
                     mapped.close()
                     raise _Refused("advise") from None
-        mapped.write(small)
         _IN_FLIGHT.add(mapped)
         self._rows = mapped
-        return mapped
 
-    def _spill(self, chunk: Any, reason: str) -> None:
-        """Become upstream's list, then append ``chunk`` to it."""
-        self._spill_rows(reason)
-        list.append(self, chunk)
-
-    def _spill_rows(self, reason: str) -> None:
-        """The rows so far into the list: those before the last chunk, and the last chunk
-        (so ``[-1]`` still names the last chunk appended); a plain list from then on."""
+    def _spill(self, reason: str) -> None:
+        """Upstream's list from now on: the folded chunks (copies) at its front."""
         COUNTERS.add_fallback(reason)
         if self._rows is not None:
-            rows = self.array().copy()
-            row_bytes = rows.itemsize * (int(np.prod(self._tail)) if self._tail else 1)
-            last = self._last // row_bytes if row_bytes else 0
-            list.extend(self, (rows[: len(rows) - last], rows[len(rows) - last :]))
-            if type(self._rows) is not bytearray:
+            list.__setitem__(self, slice(0, 0), self._folded())
+            self._counts = []
+            if not self._handed:
                 _IN_FLIGHT.discard(self._rows)
-        self._rows = None
-        self._spilled = True
+            self._rows = None
+        self._fold_at = _NEVER
 
     def __setitem__(self, index: Any, value: Any) -> None:
         if self._rows is not None:
-            if isinstance(index, int) and index == -1 and self._rewind():
+            if type(index) is int and index == -1 and not self._handed:
                 # Upstream's trim: the last chunk replaced by (a prefix of) itself.
-                if self._size:
-                    self.append(value)
-                else:
-                    self._rows = None
-                    self._start(value)
+                if len(self):
+                    list.__setitem__(self, -1, value)
+                elif self._counts:  # folded: rewind its rows, the prefix goes to the list
+                    row = self._dtype.itemsize * math.prod(self._tail)
+                    self._size -= self._counts.pop() * row
+                    list.append(self, value)
+                else:  # nothing folded nor in the list: upstream's IndexError
+                    list.__setitem__(self, index, value)
                 return
-            self._spill_rows("setitem")
+            self._spill("setitem")
         list.__setitem__(self, index, value)
 
-    def _rewind(self) -> bool:
-        """Drop the last chunk's rows in place; False where they cannot be (handed out,
-        or a view of the ``bytearray`` is alive)."""
-        if self._handed:
-            return False
-        keep = self._size - self._last
-        if type(self._rows) is bytearray:
-            try:
-                del self._rows[keep:]
-            except BufferError:
-                return False
-        self._size, self._last = keep, 0
-        return True
+    def _spilling(name: str) -> Any:  # noqa: N805 - builds the methods below
+        """A list method that first gives the folded rows back to the list, so it acts
+        on upstream's whole list (upstream calls none of these on the chunks)."""
+        method = getattr(list, name)
+
+        def spill_first(self: RowChunks, *args: Any) -> Any:
+            if self._rows is not None:
+                self._spill("list_op")
+            return method(self, *args)
+
+        spill_first.__name__ = name
+        return spill_first
+
+    clear = _spilling("clear")
+    pop = _spilling("pop")
+    insert = _spilling("insert")
+    remove = _spilling("remove")
+    reverse = _spilling("reverse")
+    sort = _spilling("sort")
+    __delitem__ = _spilling("__delitem__")
+    __imul__ = _spilling("__imul__")
+    del _spilling
 
     def finished(self) -> Any:
-        """The rows as the finished output's own array: exactly their bytes, nothing else.
+        """The folded rows as the finished output's own array: exactly their bytes.
 
-        Rows in a mapping are handed out in it, shrunk to their size (mremap: no copy);
-        from then on the buffer takes no more rows in place (a later chunk spills). A
-        copy of them where the kernel refuses the shrink (``shrink``), past
-        ``MAX_HANDED_OUT`` (``mappings_held``) or while a view of them is alive
-        (``view_alive``)."""
+        Handed out in the mapping, shrunk to their size (mremap: no copy); from then on
+        the mapping takes no more rows (a later chunk spills). A copy of them where the
+        kernel refuses the shrink (``shrink``), past ``MAX_HANDED_OUT``
+        (``mappings_held``), while a view of them is alive (``view_alive``), or once
+        handed out (a second finish)."""
         rows = self._rows
-        if type(rows) is bytearray or self._handed or not self._size:
+        assert rows is not None and not len(self)
+        if self._handed or not self._size:
             return self.array().copy()
         if len(_HANDED_OUT) >= MAX_HANDED_OUT:  # each is a kernel mapping: keep a margin
             COUNTERS.add_fallback("mappings_held")
@@ -326,7 +363,7 @@ class RowChunks(list):
         except BufferError:  # a view of the rows is alive: they cannot be shrunk
             COUNTERS.add_fallback("view_alive")
             return self.array().copy()
-        except OSError:  # e.g. ENOMEM splitting a merged mapping at vm.max_map_count
+        except (OSError, SystemError):  # ENOMEM at vm.max_map_count; no mremap here
             COUNTERS.add_fallback("shrink")
             return self.array().copy()  # the mapping is as it was: rows and size
         self._handed = True
@@ -335,7 +372,7 @@ class RowChunks(list):
         return self.array()
 
     def array(self) -> Any:
-        """The rows gathered so far as one array (a view of the buffer)."""
+        """The folded rows as one array (a view of the mapping)."""
         assert self._rows is not None
         flat = np.frombuffer(
             self._rows, dtype=self._dtype, count=self._size // self._dtype.itemsize
@@ -367,9 +404,9 @@ def _spill_live() -> None:
         if chunks is None:
             continue
         if chunks.gathered:
-            chunks._spill_rows("revert")
-        else:  # no rows yet: its first chunk goes to the list
-            chunks._spilled = True
+            chunks._spill("revert")
+        else:  # its chunks are upstream's list already: no more folds
+            chunks._fold_at = _NEVER
 
 
 def live_note() -> str:
@@ -377,7 +414,8 @@ def live_note() -> str:
     c = COUNTERS.snapshot()
     why = ", ".join(f"{k} {v}" for k, v in sorted(c["fallback"].items()))
     return (
-        f"finished outputs from the buffer {c['fast']}; mappings in flight "
+        f"finished outputs from a mapping {c['fast']}, short ones by upstream's "
+        f"concatenation {c['short']}; mappings in flight "
         f"{len(_IN_FLIGHT)} of {MAX_IN_FLIGHT}, handed out {len(_HANDED_OUT)} of "
         f"{MAX_HANDED_OUT}; upstream's path: {why or 'none'}"
     )
@@ -398,8 +436,12 @@ def _request_state_init(params: Mapping[str, Any]) -> WrapperFn:
 
 def _new_completion_output(params: Mapping[str, Any]) -> WrapperFn:
     def rows_on_finish(wrapped, instance, args, kwargs):  # noqa: ANN001, ANN202
-        output = wrapped(*args, **kwargs)
         chunks = getattr(instance, "routed_experts_chunks", None)
+        if type(chunks) is RowChunks and chunks.gathered:
+            finish_reason = args[1] if len(args) > 1 else kwargs.get("finish_reason")
+            if finish_reason is not None:  # upstream concatenates: leave it nothing
+                chunks.fold()
+        output = wrapped(*args, **kwargs)
         if (
             type(chunks) is RowChunks
             and chunks.gathered
@@ -413,6 +455,14 @@ def _new_completion_output(params: Mapping[str, Any]) -> WrapperFn:
                 output.routed_experts = chunks.finished()
             with COUNTERS._lock:
                 COUNTERS.fast += 1
+        elif (
+            type(chunks) is RowChunks
+            and chunks._fold_at != _NEVER
+            and output.finish_reason is not None
+            and output.routed_experts is not None
+        ):  # never folded (under FOLD chunks or MAPPED_FROM): upstream's concatenation
+            with COUNTERS._lock:
+                COUNTERS.short += 1
         return output
 
     return rows_on_finish

@@ -8,7 +8,8 @@ scale of issue 36: ``--requests`` requests added to vLLM's real ``OutputProcesso
 (its real constructor), then fed ``EngineCoreOutputs`` step by step (the prompt's rows
 first, then one row per request and step, each chunk an array of its own as the client
 decodes it), so that every request's rows pass ``--past`` (256 KiB; response_rows folds
-them into a mapping from its ``MAPPED_FROM``, 16 KiB) while all are in flight. Each request ends at a seeded random step (rows
+them into a mapping from its ``MAPPED_FROM``, 16 KiB) while all are in flight. Each
+request ends at a seeded random step (rows
 between just past ``--past`` and ``--spread`` more), so requests finish in random order,
 the outputs of a step in a random order too; ``--abort`` of them (those that run past the
 step where all have passed ``--past``) are aborted at a random step after it through
